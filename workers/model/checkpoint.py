@@ -81,7 +81,7 @@ def _write_to_temp(folder: Path, config, seed, tokenizer_json, tokenizer_config,
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published model should be readable like any folder
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; a published model is readable like any folder
         config = _with_defaults(config)
         _write_json(tmp / "config.json", config)
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
@@ -91,6 +91,8 @@ def _write_to_temp(folder: Path, config, seed, tokenizer_json, tokenizer_config,
             (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         if tokenizer_config is not None:
             _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes its files owner-only, unlike the rest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
