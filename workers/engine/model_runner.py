@@ -63,7 +63,7 @@ class ModelRunner:
         if self.max_model_len < max_model_len:
             log.warning("context capped at %d tokens: the KV cache holds no more", self.max_model_len)
         slots = self.budget.num_token_slots
-        kv_shape = (slots, self.model_config.num_key_value_heads, self.model_config.head_dim)
+        kv_shape = (self.model_config.num_key_value_heads, slots, self.model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
              torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
@@ -98,15 +98,15 @@ class ModelRunner:
         """Run the largest step the scheduler can produce once, on a scratch cache, and measure."""
         mc, cfg = self.model_config, self.config
         num_tokens = cfg.max_num_batched_tokens
-        scratch = [(torch.zeros(num_tokens, mc.num_key_value_heads, mc.head_dim, device=self.device, dtype=self.dtype),
-                    torch.zeros(num_tokens, mc.num_key_value_heads, mc.head_dim, device=self.device, dtype=self.dtype))
-                   for _ in range(mc.num_hidden_layers)]
+        shape = (mc.num_key_value_heads, num_tokens, mc.head_dim)
+        scratch = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                    torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_hidden_layers)]
         scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
         chunk = self.model.rope_cos.shape[0]
         spans = [PrefillSpan(s, min(chunk, num_tokens - s), 0, None) for s in range(0, num_tokens, chunk)]
         positions = torch.cat([torch.arange(s.num_tokens) for s in spans]).to(self.device)
         slots = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(slots, 0, None, None, spans)
+        meta = AttentionMetadata(slots, self.block_size, 0, None, None, spans)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -148,41 +148,31 @@ class ModelRunner:
             seq, n = batch.seqs[r], batch.num_new_tokens[r]
             start, table = seq.num_computed_tokens, seq.block_table
             if n > 1:
-                context = self._context_slots(table, start + n) if start else None
+                context = self._tensor(table[:-(-(start + n) // bs)]) if start else None
                 spans.append(PrefillSpan(len(input_ids), n, start, context))
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             last_token_rows[r] = len(input_ids) - 1
-        decode_slots = pad_mask = None
+        decode_tables = pad_mask = None
         if decode_rows:
             lengths = [batch.seqs[r].num_computed_tokens + 1 for r in decode_rows]
-            decode_slots = self._padded_context_slots([batch.seqs[r].block_table for r in decode_rows], max(lengths))
-            lengths_t = torch.tensor(lengths, device=self.device)
-            pad_mask = torch.arange(decode_slots.shape[1], device=self.device)[None, :] >= lengths_t[:, None]
-            pad_mask = pad_mask[:, None, None, :]  # [D, 1, 1, C], broadcast over KV heads and group
-        meta = AttentionMetadata(self._tensor(slots), len(decode_rows), decode_slots, pad_mask, spans)
+            num_blocks = -(-max(lengths) // bs)
+            tables = [batch.seqs[r].block_table[:num_blocks] for r in decode_rows]
+            decode_tables = self._tensor([t + [0] * (num_blocks - len(t)) for t in tables])  # [D, nb]
+            lengths_t = self._tensor(lengths)
+            pad_mask = torch.arange(num_blocks * bs, device=self.device)[None, :] >= lengths_t[:, None]
+            pad_mask = pad_mask[None, :, None, :]  # [1, D, 1, C]: broadcast over KV heads and the group
+        meta = AttentionMetadata(self._tensor(slots), bs, len(decode_rows), decode_tables, pad_mask, spans)
         return self._tensor(input_ids), self._tensor(positions), meta, last_token_rows
-
-    def _padded_context_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """[len(tables), length] cache slots of positions 0..length-1 (padding reads block 0)."""
-        bs = self.block_size
-        num_blocks = -(-length // bs)
-        padded = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
-        blocks = self._tensor(padded)  # [N, num_blocks]
-        offsets = torch.arange(bs, device=self.device)
-        return (blocks[:, :, None] * bs + offsets).view(len(tables), -1)[:, :length]
-
-    def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
-        return self._padded_context_slots([table], length)[0]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = self._tensor([s for s, _ in copies])
         dst = self._tensor([d for _, d in copies])
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache, v_cache):
-                blocks = cache.view(-1, self.block_size, *cache.shape[1:])
-                blocks[dst] = blocks[src]
+                blocks = cache.view(cache.shape[0], -1, self.block_size, cache.shape[2])  # [KVH, nb, bs, Dh]
+                blocks[:, dst] = blocks[:, src]
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

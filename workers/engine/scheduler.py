@@ -119,6 +119,17 @@ class Scheduler:
             seq.token_ids.append(token_id)
         return batch.samplers
 
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(KV slots holding a computed token, slots in blocks allocated to running sequences).
+        A block shared by several sequences counts once."""
+        size = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in self.running:
+            for i, block in enumerate(seq.block_table):
+                used = min(size, max(0, seq.num_computed_tokens - i * size))
+                filled[block] = max(filled.get(block, 0), used)
+        return sum(filled.values()), len(filled) * size
+
     # ---- internals -------------------------------------------------------------------------
 
     def _schedule(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:

@@ -1,7 +1,10 @@
 """Attention over the paged KV cache, in plain PyTorch (runs on CPU and CUDA).
 
-Each layer's cache is a pair of tensors [num_slots, num_kv_heads, head_dim], num_slots =
-num_blocks * block_size; slot = block_table[pos // block_size] * block_size + pos % block_size.
+Each layer's cache is a pair of tensors [num_kv_heads, num_blocks * block_size, head_dim]; token
+position p of a sequence lives at slot block_table[p // block_size] * block_size + p % block_size.
+Head-major, so gathering a sequence's blocks yields each head's keys contiguously: the products
+read them in place instead of copying them into another layout (the copy, not the arithmetic,
+dominates decode attention on a CPU).
 A step's tokens come ordered as: one token for each decoding sequence, then the prompt chunks.
 """
 from __future__ import annotations
@@ -15,71 +18,84 @@ import torch.nn.functional as F
 @dataclass
 class PrefillSpan:
     """A chunk of `num_tokens` query tokens at rows [token_start, token_start + num_tokens) that
-    follows `num_cached` tokens already in the cache (at `context_slots[:num_cached]`)."""
+    follows `num_cached` tokens already in the cache, in `context_blocks` (None when num_cached == 0)."""
 
     token_start: int
     num_tokens: int
     num_cached: int
-    context_slots: torch.Tensor | None  # [num_cached + num_tokens] slots, None when num_cached == 0
+    context_blocks: torch.Tensor | None
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    block_size: int
     num_decodes: int  # the first num_decodes rows are single-token decodes
-    decode_slots: torch.Tensor | None  # [D, C] context slots of each decode, padded
-    decode_pad_mask: torch.Tensor | None  # [D, 1, 1, C] True where a slot is padding
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks], padded with block 0
+    decode_pad_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size], True on padding
     prefills: list[PrefillSpan]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """k, v [T, KVH, Dh] into their slots."""
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [KVH, slots, Dh], block_tables [..., nb] -> [KVH, ..., nb * block_size, Dh]."""
+    num_kv_heads, _, head_dim = cache.shape
+    blocks = cache.view(num_kv_heads, -1, block_size * head_dim)[:, block_tables]  # [KVH, ..., nb, bs*Dh]
+    return blocks.view(*blocks.shape[:-2], -1, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D]; k, v [T, KVH, D] for this step's tokens (already written to the cache).
-    Returns [T, H * D]."""
+    """q [T, H, Dh]; k, v [T, KVH, Dh] for this step's tokens (already written to the cache).
+    Returns [T, H * Dh]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         d = meta.num_decodes
-        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta.decode_slots, meta.decode_pad_mask, scale)
+        keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [KVH, D, C, Dh]
+        values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)
+        out[:d] = _decode_attention(q[:d], keys, values, meta.decode_pad_mask, scale)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        if span.context_slots is None:  # a fresh prompt: its own K/V are the whole context
-            ctx_k, ctx_v = k[rows], v[rows]
+        if span.context_blocks is None:  # a fresh prompt: its own K/V are the whole context
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [KVH, n, Dh]
         else:
-            ctx_k, ctx_v = k_cache[span.context_slots], v_cache[span.context_slots]
-        out[rows] = _prefill_attention(q[rows], ctx_k, ctx_v, span.num_cached, scale)
+            context = span.num_cached + span.num_tokens
+            keys = gather_blocks(k_cache, span.context_blocks, meta.block_size)[:, :context]
+            values = gather_blocks(v_cache, span.context_blocks, meta.block_size)[:, :context]
+        out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, slots, pad_mask, scale):
+def _decode_attention(q, keys, values, pad_mask, scale):
+    """q [D, H, Dh]; keys, values [KVH, D, C, Dh]; pad_mask [1, D, 1, C]."""
     d, num_heads, head_dim = q.shape
-    ctx = slots.shape[1]
-    num_kv_heads = k_cache.shape[1]
-    keys = k_cache[slots.reshape(-1)].view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)  # [D, KVH, C, Dh]
-    values = v_cache[slots.reshape(-1)].view(d, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    query = q.view(d, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [D, KVH, G, Dh]
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [D, KVH, G, C]
+    num_kv_heads = keys.shape[0]
+    group = num_heads // num_kv_heads
+    query = q.view(d, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, D, G, Dh]
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [KVH, D, G, C]
     scores.masked_fill_(pad_mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).reshape(d, num_heads * head_dim)  # [D, KVH, G, Dh] -> [D, H*Dh]
+    out = torch.matmul(probs, values)  # [KVH, D, G, Dh]
+    return out.transpose(0, 1).reshape(d, num_heads * head_dim)
 
 
-def _prefill_attention(q, k, v, num_cached, scale):
+def _prefill_attention(q, keys, values, num_cached, scale):
+    """q [n, H, Dh]; keys, values [KVH, num_cached + n, Dh]. Causal, query i at position num_cached + i."""
     n, num_heads, head_dim = q.shape
     query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
-    keys = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, n + cached, Dh]
-    values = v.transpose(0, 1).unsqueeze(0)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, KVH, ctx, Dh]
     if num_cached == 0:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sits at position num_cached + i and sees keys 0..num_cached + i
+    else:
         ctx = keys.shape[2]
-        allowed = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(num_cached, num_cached + n,
-                                                                              device=q.device)[:, None]
+        allowed = (torch.arange(ctx, device=q.device)[None, :]
+                   <= torch.arange(num_cached, num_cached + n, device=q.device)[:, None])  # [n, ctx]
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)  # [n, H*Dh]

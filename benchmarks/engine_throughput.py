@@ -1,0 +1,157 @@
+"""Offline throughput: llmq's engine vs transformers static batching, on the shared bench workload.
+
+    python benchmarks/engine_throughput.py              # transformers batch 16 and 64, then llmq
+    python benchmarks/engine_throughput.py --skip-hf    # llmq only (quick iterations)
+
+The workload is ../shared/bench/README.md's: "bench-42m" (a random-weight Llama, 41.6 M parameters,
+float32), 64 requests from random.Random(0), greedy, every request runs to its own max_tokens.
+Everything runs in one process on the same threads, so the ratios hold on a noisy machine.
+Prints each system's useful tokens/s, the ratios, MFU against the float32 matmul peak measured in
+this run, and llmq's KV memory waste (allocated but unused KV slots / allocated, sampled each step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from workers.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint  # noqa: E402
+from workers.settings import llmq_home  # noqa: E402
+
+BENCH_CONFIG = {
+    "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024,
+    "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def workload(n=64, seed=0, pmin=8, pmax=128, omin=8, omax=128, vocab=32000):
+    """The shared workload, drawn exactly as ../shared/bench/hf_baseline.py draws it."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(pmin, pmax))], rng.randint(omin, omax))
+            for _ in range(n)]
+
+
+def bench_model_dir() -> Path:
+    folder = llmq_home() / "bench" / "bench-42m"
+    if not (folder / "config.json").is_file():
+        print(f"writing the bench model to {folder} ...", flush=True)
+        write_llama_checkpoint(folder, BENCH_CONFIG, seed=0, tokenizer_json=byte_level_tokenizer_json(),
+                               tokenizer_config={"add_bos_token": False})
+    return folder
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * size ** 3 / best
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def run_transformers(folder: Path, requests, batch: int) -> float:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch):
+            chunk = requests[i:i + batch]
+            longest = max(len(p) for p, _ in chunk)
+            new_tokens = max(o for _, o in chunk)
+            ids = torch.zeros(len(chunk), longest, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, (prompt, _) in enumerate(chunk):  # left padding
+                ids[j, longest - len(prompt):] = torch.tensor(prompt)
+                mask[j, longest - len(prompt):] = 1
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - started
+
+
+def run_llmq(folder: Path, requests, **engine_options) -> dict:
+    engine = LLMEngine(EngineConfig(model=str(folder), **engine_options))
+    # Warm up once (first-call allocations), outside the timed run.
+    engine.add_request("warmup", {"prompt_token_ids": requests[0][0]}, SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    generated = {}
+    waste_samples = []
+    steps = 0
+    started = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        for delta in engine.step():
+            generated[delta.request_id] = generated.get(delta.request_id, 0) + len(delta.token_ids)
+        used, allocated = engine.scheduler.kv_slot_usage()
+        if allocated:
+            waste_samples.append(1 - used / allocated)
+        steps += 1
+    seconds = time.perf_counter() - started
+    expected = {f"r{i}": o for i, (_, o) in enumerate(requests)}
+    if generated != expected:
+        raise SystemExit("llmq produced a different number of tokens than requested")
+    return {"seconds": seconds, "steps": steps,
+            "kv_waste": sum(waste_samples) / len(waste_samples), "kv_waste_max": max(waste_samples),
+            "kv_blocks": engine.block_manager.num_blocks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true", help="measure llmq only")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    folder = bench_model_dir()
+    requests = workload()
+    useful = sum(o for _, o in requests)
+    flops_per_token = 2 * 41.6e6
+    peak = matmul_peak_flops()
+    print(f"workload: {len(requests)} requests, {useful} output tokens; matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"({args.threads} threads)", flush=True)
+
+    results = {}
+    if not args.skip_hf:
+        for batch in (16, 64):
+            seconds = run_transformers(folder, requests, batch)
+            results[f"transformers static batch {batch}"] = {"seconds": seconds}
+            print(f"transformers static batch {batch}: {useful / seconds:.1f} useful tokens/s", flush=True)
+    llmq = run_llmq(folder, requests, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    results["llmq"] = llmq
+    print(f"llmq: {useful / llmq['seconds']:.1f} useful tokens/s in {llmq['steps']} steps", flush=True)
+
+    print("\n| system | useful tokens/s | vs transformers b16 | vs b64 | MFU |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        rate = useful / r["seconds"]
+        r["useful_tok_per_s"] = round(rate, 1)
+        r["mfu"] = round(rate * flops_per_token / peak, 3)
+        ratios = [f"{rate * results[k]['seconds'] / useful:.2f}x" if k in results else "-"
+                  for k in ("transformers static batch 16", "transformers static batch 64")]
+        print(f"| {name} | {rate:.1f} | {ratios[0]} | {ratios[1]} | {r['mfu']:.0%} |")
+    print(f"\nllmq KV memory waste: {llmq['kv_waste']:.2%} mean, {llmq['kv_waste_max']:.2%} max "
+          f"(block size {args.block_size})")
+    print(json.dumps({"matmul_peak_gflops": round(peak / 1e9, 1), "useful_tokens": useful, **results}))
+
+
+if __name__ == "__main__":
+    main()
