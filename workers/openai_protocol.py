@@ -1,0 +1,198 @@
+"""The OpenAI completions and batch shapes: request bodies in, response objects out. No torch.
+
+Shared by the offline batch runner and the web API, so a body accepted by one is accepted by the other.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.config import InvalidRequest, SamplingParams
+from workers.engine.outputs import CompletionOutput, TokenLogprob
+
+COMPLETIONS_ENDPOINT = "/v1/completions"
+# Fields OpenAI defines that llmq does not implement: accepted only at their neutral value.
+_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix")
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a /v1/completions body. Raises InvalidRequest naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", None)
+    if "prompt" not in body:
+        raise InvalidRequest("you must provide a prompt", "prompt")
+    for field in _UNSUPPORTED:
+        if body.get(field) not in (None, 0, {}, ""):
+            raise InvalidRequest(f"{field} is not supported by llmq", field)
+    n = body.get("n", 1)
+    if body.get("best_of") not in (None, n):
+        raise InvalidRequest("best_of is supported only equal to n", "best_of")
+    logprobs = body.get("logprobs")
+    if isinstance(logprobs, bool):
+        raise InvalidRequest("logprobs must be an integer (how many alternatives) or null", "logprobs")
+    params = SamplingParams(
+        n=n,
+        temperature=_default(body, "temperature", 1.0),
+        top_p=_default(body, "top_p", 1.0),
+        top_k=_default(body, "top_k", 0),
+        seed=body.get("seed"),
+        max_tokens=_default(body, "max_tokens", 16),
+        stop=body.get("stop"),
+        stop_token_ids=_default(body, "stop_token_ids", ()),
+        ignore_eos=_default(body, "ignore_eos", False),
+        logprobs=logprobs,
+    )
+    if len(params.stop) > 4:
+        raise InvalidRequest("stop takes at most 4 sequences", "stop")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string", "model")
+    return CompletionRequest(
+        model=model, prompts=_prompts(body["prompt"]), params=params, echo=_flag(body, "echo"),
+        stream=_flag(body, "stream"), include_usage=bool(stream_options.get("include_usage")),
+        user=body.get("user"))
+
+
+def _default(body: dict, field: str, default):
+    value = body.get(field)
+    return default if value is None else value
+
+
+def _flag(body: dict, field: str) -> bool:
+    value = body.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be a boolean", field)
+    return value
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_token_list(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                             "token-id lists, and not empty", "prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    return prompts
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], token_text, start_offset: int = 0) -> dict:
+    """OpenAI's legacy completions logprobs object. `token_text(id)` gives a token's text."""
+    tokens, offsets, offset = [], [], start_offset
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def completion_object(completion_id: str, model: str, choices: list[dict], usage: dict | None,
+                      created: int | None = None) -> dict:
+    body = {"id": completion_id, "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def completion_choice(index: int, output: CompletionOutput, token_text=None, prefix: str = "") -> dict:
+    logprobs = None
+    if output.logprobs is not None and token_text is not None:
+        logprobs = completion_logprobs(output.logprobs, token_text, len(prefix))
+    return {"index": index, "text": prefix + output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+
+def usage_object(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- batch files ---------------------------------------------------------------------------
+
+class BatchLineError(ValueError):
+    """One unusable input line; becomes one error line."""
+
+    def __init__(self, message: str, code: str, line: int, custom_id: str | None = None):
+        super().__init__(message)
+        self.code, self.line, self.custom_id = code, line, custom_id
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    line: int  # 1-based line number in the input file
+    custom_id: str
+    body: dict
+
+
+def parse_batch_line(text: str, line: int, endpoint: str = COMPLETIONS_ENDPOINT) -> BatchLine:
+    """One JSONL request line: {"custom_id", "method": "POST", "url": endpoint, "body": {...}}."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BatchLineError(f"line {line} is not valid JSON: {err.msg}", "invalid_json", line) from None
+    if not isinstance(obj, dict):
+        raise BatchLineError(f"line {line} must be a JSON object", "invalid_request", line)
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchLineError(f"line {line} needs a non-empty string custom_id", "missing_custom_id", line)
+    if obj.get("method") != "POST":
+        raise BatchLineError(f"line {line}: method must be POST", "invalid_method", line, custom_id)
+    if obj.get("url") != endpoint:
+        raise BatchLineError(f"line {line}: url must be {endpoint}, the batch's endpoint, got {obj.get('url')!r}",
+                             "invalid_url", line, custom_id)
+    if not isinstance(obj.get("body"), dict):
+        raise BatchLineError(f"line {line}: body must be a JSON object", "invalid_body", line, custom_id)
+    return BatchLine(line, custom_id, obj["body"])
+
+
+def batch_output_line(custom_id: str, body: dict, status_code: int = 200) -> dict:
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": status_code, "request_id": body.get("id", new_id("req_")), "body": body},
+            "error": None}
+
+
+def batch_error_line(custom_id: str | None, code: str, message: str, line: int | None = None) -> dict:
+    error = {"code": code, "message": message}
+    if line is not None:
+        error["line"] = line
+    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None, "error": error}
