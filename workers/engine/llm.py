@@ -14,6 +14,7 @@ from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
+from workers.model.model_config import ModelConfig
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         started = time.perf_counter()
         self.config = config
+        ModelConfig.from_folder(config.model)  # the folder's config is checked before anything heavy
         self.tokenizer = Tokenizer.from_folder(config.model)
         self.model_runner = ModelRunner(config)
         self.max_model_len = self.model_runner.max_model_len

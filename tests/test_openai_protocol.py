@@ -1,0 +1,86 @@
+"""The OpenAI request/response shapes: parsing is exact and every refusal names its field."""
+import json
+
+import pytest
+
+from workers.engine.config import InvalidRequest
+from workers.openai_protocol import (BatchLineError, batch_error_line, batch_output_line, parse_batch_line,
+                                     parse_completion_request)
+
+
+def test_defaults_follow_openai():
+    request = parse_completion_request({"model": "m", "prompt": "hi"})
+    assert request.prompts == ["hi"]
+    assert request.params.max_tokens == 16 and request.params.temperature == 1.0 and request.params.n == 1
+    assert not request.stream and not request.echo and request.params.logprobs is None
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("a", ["a"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+    (["a", [5, 6]], ["a", [5, 6]]),
+])
+def test_prompt_forms(prompt, expected):
+    assert parse_completion_request({"prompt": prompt}).prompts == expected
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": {"x": 1}}, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.5}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "stop": 5}, "stop"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "logprobs": 50}, "logprobs"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "model": 7}, "model"),
+])
+def test_bad_fields_are_named(body, param):
+    with pytest.raises(InvalidRequest) as err:
+        parse_completion_request(body)
+    assert err.value.param == param
+
+
+def test_extensions_and_stream_options():
+    request = parse_completion_request({"prompt": "a", "top_k": 5, "ignore_eos": True, "stop": "x", "stream": True,
+                                        "stream_options": {"include_usage": True}, "seed": 3})
+    assert request.params.top_k == 5 and request.params.ignore_eos and request.params.stop == ("x",)
+    assert request.stream and request.include_usage and request.params.seed == 3
+
+
+def test_batch_line_parsing_and_errors():
+    good = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}})
+    line = parse_batch_line(good, 3)
+    assert (line.custom_id, line.line, line.body) == ("a", 3, {"prompt": "x"})
+    cases = [("{not json", "invalid_json", None),
+             ('["a"]', "invalid_request", None),
+             ('{"method": "POST", "url": "/v1/completions", "body": {}}', "missing_custom_id", None),
+             ('{"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {}}', "invalid_method", "b"),
+             ('{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {}}', "invalid_url", "c"),
+             ('{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": "x"}', "invalid_body", "d")]
+    for text, code, custom_id in cases:
+        with pytest.raises(BatchLineError) as err:
+            parse_batch_line(text, 7)
+        assert (err.value.code, err.value.line, err.value.custom_id) == (code, 7, custom_id)
+        assert "line 7" in str(err.value)
+
+
+def test_batch_output_and_error_line_shapes():
+    out = batch_output_line("x", {"id": "cmpl-1", "object": "text_completion"})
+    assert out["custom_id"] == "x" and out["error"] is None and out["id"].startswith("batch_req_")
+    assert out["response"] == {"status_code": 200, "request_id": "cmpl-1",
+                               "body": {"id": "cmpl-1", "object": "text_completion"}}
+    err = batch_error_line("y", "invalid_request", "bad", line=4)
+    assert err["response"] is None and err["error"] == {"code": "invalid_request", "message": "bad", "line": 4}
