@@ -81,10 +81,12 @@ class Scheduler:
             seq = unscheduled.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                if not unscheduled:  # seq itself is the only one left that can give way
+                # The newest / lowest-priority of those not yet scheduled gives way; possibly seq itself.
+                victim = max(unscheduled + [seq], key=lambda s: s.sort_key)
+                if victim is seq:
                     self._preempt(seq, batch)
                     break
-                self._preempt(max(unscheduled, key=lambda s: s.sort_key), batch, unscheduled)
+                self._preempt(victim, batch, unscheduled)
             else:
                 self._schedule(seq, num_new, batch)
                 budget -= num_new
