@@ -96,8 +96,10 @@ class LLMEngine:
             return False
         for seq in seqs:
             if not seq.is_finished:
+                unforked = range(seq.params.n - seq.forks_pending, seq.params.n)  # n > 1, prompt not done yet
                 self.scheduler.finish(seq, "abort")
                 self._pending.append(self.output_processor.aborted(seq))
+                self._pending.extend(RequestDelta(request_id, i, "", (), None, True, "abort") for i in unforked)
         return True
 
     # ---- the loop --------------------------------------------------------------------------
