@@ -73,6 +73,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(f"n is {params.n}, more samples than this engine runs at once "
+                                 f"(max_num_seqs {self.config.max_num_seqs})", "n")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequest("prompt must not be empty", "prompt")

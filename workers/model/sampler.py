@@ -59,6 +59,7 @@ def _truncated_probs(logits: torch.Tensor, params) -> torch.Tensor:
 
 def _generator(seq: Sequence, device) -> torch.Generator:
     if seq.generator is None:
-        seq.generator = torch.Generator(device=device)
-        seq.generator.manual_seed(seq.sampling_seed)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seq.sampling_seed % (1 << 64))  # any integer seed; torch takes 64 bits
+        seq.generator = generator
     return seq.generator
