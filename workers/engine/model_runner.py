@@ -9,7 +9,7 @@ import torch
 from workers.engine.config import EngineConfig
 from workers.engine.outputs import TokenLogprob
 from workers.engine.scheduler import ScheduledBatch
-from workers.model.attention import AttentionMetadata, PrefillSpan
+from workers.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, block_rows
 from workers.model.loader import load_model
 from workers.model.model_config import ModelConfig
 from workers.model.sampler import sample
@@ -106,7 +106,7 @@ class ModelRunner:
         spans = [PrefillSpan(s, min(chunk, num_tokens - s), 0, None) for s in range(0, num_tokens, chunk)]
         positions = torch.cat([torch.arange(s.num_tokens) for s in spans]).to(self.device)
         slots = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(slots, self.block_size, 0, None, None, spans)
+        meta = AttentionMetadata(slots, self.block_size, [], spans)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -135,9 +135,11 @@ class ModelRunner:
         return sample(logits, batch.samplers)
 
     def _prepare(self, batch: ScheduledBatch):
-        """Flatten the batch into token rows (single-token decodes first, then prompt chunks)."""
+        """Flatten the batch into token rows: single-token decodes first, longest context first, then
+        the prompt chunks."""
         bs = self.block_size
-        decode_rows = [r for r, n in enumerate(batch.num_new_tokens) if n == 1]
+        decode_rows = sorted((r for r, n in enumerate(batch.num_new_tokens) if n == 1),
+                             key=lambda r: -batch.seqs[r].num_computed_tokens)
         prefill_rows = [r for r, n in enumerate(batch.num_new_tokens) if n > 1]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -148,23 +150,28 @@ class ModelRunner:
             seq, n = batch.seqs[r], batch.num_new_tokens[r]
             start, table = seq.num_computed_tokens, seq.block_table
             if n > 1:
-                context = self._tensor(table[:-(-(start + n) // bs)]) if start else None
+                context = self._cache_rows(self._tensor(table[:-(-(start + n) // bs)])) if start else None
                 spans.append(PrefillSpan(len(input_ids), n, start, context))
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             last_token_rows[r] = len(input_ids) - 1
-        decode_tables = pad_mask = None
-        if decode_rows:
-            lengths = [batch.seqs[r].num_computed_tokens + 1 for r in decode_rows]
-            num_blocks = -(-max(lengths) // bs)
-            tables = [batch.seqs[r].block_table[:num_blocks] for r in decode_rows]
-            decode_tables = self._tensor([t + [0] * (num_blocks - len(t)) for t in tables])  # [D, nb]
-            lengths_t = self._tensor(lengths)
-            pad_mask = torch.arange(num_blocks * bs, device=self.device)[None, :] >= lengths_t[:, None]
-            pad_mask = pad_mask[None, :, None, :]  # [1, D, 1, C]: broadcast over KV heads and the group
-        meta = AttentionMetadata(self._tensor(slots), bs, len(decode_rows), decode_tables, pad_mask, spans)
+        groups = [self._decode_group(batch, decode_rows, start, end) for start, end in _split(len(decode_rows))]
+        meta = AttentionMetadata(self._tensor(slots), bs, groups, spans)
         return self._tensor(input_ids), self._tensor(positions), meta, last_token_rows
+
+    def _decode_group(self, batch: ScheduledBatch, decode_rows: list[int], start: int, end: int) -> DecodeGroup:
+        bs = self.block_size
+        seqs = [batch.seqs[r] for r in decode_rows[start:end]]
+        lengths = [seq.num_computed_tokens + 1 for seq in seqs]
+        num_blocks = -(-max(lengths) // bs)
+        tables = [seq.block_table[:num_blocks] for seq in seqs]
+        block_tables = self._tensor([t + [0] * (num_blocks - len(t)) for t in tables])  # [N, nb]
+        pad_mask = torch.arange(num_blocks * bs, device=self.device)[None, :] >= self._tensor(lengths)[:, None]
+        return DecodeGroup(start, end - start, self._cache_rows(block_tables), pad_mask[None, :, None, :])
+
+    def _cache_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        return block_rows(block_tables, self.model_config.num_key_value_heads, self.budget.num_blocks)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = self._tensor([s for s, _ in copies])
@@ -176,3 +183,11 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _split(num_decodes: int, min_group: int = 16, max_groups: int = 4) -> list[tuple[int, int]]:
+    """Equal-count groups over length-sorted decodes: enough groups to cut the padding, few enough
+    that each is a worthwhile batched product."""
+    num_groups = max(1, min(max_groups, num_decodes // min_group))
+    bounds = [num_decodes * i // num_groups for i in range(num_groups + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(num_groups) if bounds[i] < bounds[i + 1]]

@@ -3,9 +3,8 @@
 Each layer's cache is a pair of tensors [num_kv_heads, num_blocks * block_size, head_dim]; token
 position p of a sequence lives at slot block_table[p // block_size] * block_size + p % block_size.
 Head-major, so gathering a sequence's blocks yields each head's keys contiguously: the products
-read them in place instead of copying them into another layout (the copy, not the arithmetic,
-dominates decode attention on a CPU).
-A step's tokens come ordered as: one token for each decoding sequence, then the prompt chunks.
+read them in place instead of copying them into another layout.
+A step's tokens come ordered as: the single-token decodes (in groups), then the prompt chunks.
 """
 from __future__ import annotations
 
@@ -18,21 +17,31 @@ import torch.nn.functional as F
 @dataclass
 class PrefillSpan:
     """A chunk of `num_tokens` query tokens at rows [token_start, token_start + num_tokens) that
-    follows `num_cached` tokens already in the cache, in `context_blocks` (None when num_cached == 0)."""
+    follows `num_cached` tokens already in the cache."""
 
     token_start: int
     num_tokens: int
     num_cached: int
-    context_blocks: torch.Tensor | None
+    context_rows: torch.Tensor | None  # block_rows() of the context's blocks; None when num_cached == 0
+
+
+@dataclass
+class DecodeGroup:
+    """`num_tokens` single-token decodes at rows [token_start, token_start + num_tokens), padded to a
+    common context length. Decodes come in a few groups of similar length, so that little padding
+    is gathered: on a CPU the gather, not the arithmetic, is what decode attention costs."""
+
+    token_start: int
+    num_tokens: int
+    cache_rows: torch.Tensor  # block_rows() of the [N, max_blocks] block tables, padded with block 0
+    pad_mask: torch.Tensor  # [1, N, 1, max_blocks * block_size], True on padding
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     block_size: int
-    num_decodes: int  # the first num_decodes rows are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks], padded with block 0
-    decode_pad_mask: torch.Tensor | None  # [1, D, 1, max_blocks * block_size], True on padding
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -43,11 +52,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache [KVH, slots, Dh], block_tables [..., nb] -> [KVH, ..., nb * block_size, Dh]."""
-    num_kv_heads, _, head_dim = cache.shape
-    blocks = cache.view(num_kv_heads, -1, block_size * head_dim)[:, block_tables]  # [KVH, ..., nb, bs*Dh]
-    return blocks.view(*blocks.shape[:-2], -1, head_dim)
+def block_rows(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """The rows of `gather_blocks`' 2-D cache view ([KVH * num_blocks, block_size * Dh]) that hold
+    the blocks of `block_tables` [..., nb], every head's in turn: [KVH * prod(shape)]."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device).view(-1, *([1] * block_tables.dim()))
+    return (heads * num_blocks + block_tables).reshape(-1)
+
+
+def gather_blocks(cache: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [KVH, slots, Dh] -> [KVH, rows / KVH * block_size, Dh]: the blocks named by `rows`.
+
+    One index_select of whole blocks over a 2-D view copies rows with memcpy: on a CPU about 4x
+    faster than advanced indexing of the same blocks."""
+    num_kv_heads, num_slots, head_dim = cache.shape
+    blocks = cache.view(num_slots // block_size * num_kv_heads, block_size * head_dim).index_select(0, rows)
+    return blocks.view(num_kv_heads, -1, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -56,19 +75,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns [T, H * Dh]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if meta.num_decodes:
-        d = meta.num_decodes
-        keys = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [KVH, D, C, Dh]
-        values = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)
-        out[:d] = _decode_attention(q[:d], keys, values, meta.decode_pad_mask, scale)
+    for group in meta.decodes:
+        rows = slice(group.token_start, group.token_start + group.num_tokens)
+        n = group.num_tokens
+        keys = gather_blocks(k_cache, group.cache_rows, meta.block_size).view(k_cache.shape[0], n, -1, head_dim)
+        values = gather_blocks(v_cache, group.cache_rows, meta.block_size).view(v_cache.shape[0], n, -1, head_dim)
+        out[rows] = _decode_attention(q[rows], keys, values, group.pad_mask, scale)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        if span.context_blocks is None:  # a fresh prompt: its own K/V are the whole context
+        if span.context_rows is None:  # a fresh prompt: its own K/V are the whole context
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [KVH, n, Dh]
         else:
             context = span.num_cached + span.num_tokens
-            keys = gather_blocks(k_cache, span.context_blocks, meta.block_size)[:, :context]
-            values = gather_blocks(v_cache, span.context_blocks, meta.block_size)[:, :context]
+            keys = gather_blocks(k_cache, span.context_rows, meta.block_size)[:, :context]  # [KVH, ctx, Dh]
+            values = gather_blocks(v_cache, span.context_rows, meta.block_size)[:, :context]
         out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
     return out
 
