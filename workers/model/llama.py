@@ -40,10 +40,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the weights' dtype, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32 whatever the weights' dtype, then scale in the weights' dtype, as transformers does.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -59,10 +59,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KVH, Dh]
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * Dh]
+        # q and k sit side by side: rotate both in one pass.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)  # [T, H+KVH, Dh]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, H, Dh], [T, KVH, Dh]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))

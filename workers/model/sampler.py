@@ -16,7 +16,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     """logits float32 [S, vocab], row i for seqs[i]. Returns the token ids and, for sequences that
     asked for them, the chosen token's log-probability with the top alternatives (of the model's
     raw distribution, before temperature or truncation, as vLLM and OpenAI report them)."""
-    token_ids = logits.argmax(dim=-1)
+    token_ids = logits.max(dim=-1).indices  # argmax; max's kernel is faster on CPU
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
