@@ -112,7 +112,7 @@ def _add_engine_arguments(parser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmq", description="llmq: batch LLM inference")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only (not the memory budget)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="stream one completion to the terminal")
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
