@@ -196,3 +196,88 @@ def batch_error_line(custom_id: str | None, code: str, message: str, line: int |
     if line is not None:
         error["line"] = line
     return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None, "error": error}
+
+
+# ---- chat completions ----------------------------------------------------------------------
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def _message_text(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body. Raises InvalidRequest naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", None)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", "messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        clean.append({"role": message["role"], "content": _message_text(message.get("content", ""), i)})
+    for field in _UNSUPPORTED:
+        if body.get(field) not in (None, 0, {}, ""):
+            raise InvalidRequest(f"{field} is not supported by llmq", field)
+    logprobs = _flag(body, "logprobs")
+    top_logprobs = _default(body, "top_logprobs", 0)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = SamplingParams(
+        n=_default(body, "n", 1), temperature=_default(body, "temperature", 1.0), top_p=_default(body, "top_p", 1.0),
+        top_k=_default(body, "top_k", 0), seed=body.get("seed"), max_tokens=16 if max_tokens is None else max_tokens,
+        stop=body.get("stop"), stop_token_ids=_default(body, "stop_token_ids", ()),
+        ignore_eos=_default(body, "ignore_eos", False), logprobs=top_logprobs if logprobs else None)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string", "model")
+    return ChatRequest(model, clean, params, _flag(body, "stream"), bool(stream_options.get("include_usage")),
+                       body.get("user"))
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], token_text) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def chat_choice(index: int, output: CompletionOutput, token_text=None) -> dict:
+    logprobs = chat_logprobs(output.logprobs, token_text) if output.logprobs is not None and token_text else None
+    return {"index": index, "message": {"role": "assistant", "content": output.text},
+            "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+
+def chat_completion_object(completion_id: str, model: str, choices: list[dict], usage: dict | None,
+                           created: int | None = None) -> dict:
+    body = {"id": completion_id, "object": "chat.completion", "created": created or int(time.time()),
+            "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def response_finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons in OpenAI's words ("abort" never reaches a client as such)."""
+    return {"abort": "stop"}.get(reason, reason)

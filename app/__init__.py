@@ -1,0 +1,67 @@
+"""The llmq web application (and the Celery app bound to it). Never imports torch."""
+from __future__ import annotations
+
+import logging
+
+import redis
+from celery import Celery, Task
+from flask import Flask
+
+from app.config import Settings, queue_name
+from app.database import Database
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Application factory: settings, database, Redis, Celery, blueprints, error handlers."""
+    settings = settings or Settings.from_env()
+    app = Flask(__name__)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redis_url = settings.resolved_redis_url()
+    app.config.update(
+        LLMQ=settings,
+        MAX_CONTENT_LENGTH=settings.max_upload_bytes,
+        CELERY=_celery_config(settings, redis_url),
+    )
+    app.extensions["llmq_db"] = Database(settings.database_url)
+    app.extensions["llmq_redis"] = redis.Redis.from_url(redis_url, health_check_interval=30)
+    celery_init_app(app)
+
+    from app.api import register_blueprints
+    from app.errors import register_error_handlers
+
+    register_blueprints(app)
+    register_error_handlers(app)
+    return app
+
+
+def _celery_config(settings: Settings, redis_url: str) -> dict:
+    return {
+        "broker_url": redis_url,
+        "task_ignore_result": True,  # results live in the database and the token streams
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_acks_late": True,  # a task is acknowledged when done, so a crashed worker's work is redelivered
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,  # the engine batches; an idle worker elsewhere should get work
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        "broker_connection_retry_on_startup": True,
+        "task_default_queue": queue_name(settings.resolved_model_name()),
+        "worker_hijack_root_logger": False,
+        "task_send_sent_event": True,  # Flower shows tasks from the moment they are queued
+        "worker_send_task_events": True,
+    }
+
+
+def celery_init_app(app: Flask) -> Celery:
+    """Flask's documented pattern: every task runs inside the app context."""
+
+    class FlaskTask(Task):
+        def __call__(self, *args, **kwargs):
+            with app.app_context():
+                return self.run(*args, **kwargs)
+
+    celery_app = Celery(app.name, task_cls=FlaskTask)
+    celery_app.config_from_object(app.config["CELERY"])
+    celery_app.set_default()
+    app.extensions["celery"] = celery_app
+    return celery_app

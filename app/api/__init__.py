@@ -1,0 +1,9 @@
+"""One blueprint per resource."""
+from flask import Flask
+
+
+def register_blueprints(app: Flask) -> None:
+    from app.api import batches, completions, files, health, models, requests, workers
+
+    for module in (health, models, completions, files, batches, requests, workers):
+        app.register_blueprint(module.blueprint)

@@ -1,0 +1,70 @@
+"""What every blueprint needs: the database, Redis, settings, the served model, task submission."""
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from flask import current_app, request
+
+from app.config import Settings, queue_name
+from app.database import Database
+from app.errors import APIError
+
+
+def settings() -> Settings:
+    return current_app.config["LLMQ"]
+
+
+def db() -> Database:
+    return current_app.extensions["llmq_db"]
+
+
+def redis_client() -> redis.Redis:
+    return current_app.extensions["llmq_redis"]
+
+
+def served_model() -> str:
+    """The model id this deployment serves (what clients pass as "model")."""
+    name = current_app.extensions.get("llmq_model_name")
+    if name is None:
+        name = current_app.extensions["llmq_model_name"] = settings().resolved_model_name()
+    return name
+
+
+def check_model(model: Any, required: bool = True) -> str:
+    """The served model's name; 404 in the OpenAI shape for any other (400 if missing and required)."""
+    served = served_model()
+    if model is None and not required:
+        return served
+    if model is None:
+        raise APIError(400, "you must provide a model parameter", param="model", code="missing_model")
+    if model != served:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+    return served
+
+
+def json_body() -> dict:
+    """The request's JSON object, or a 400 saying what is wrong with it."""
+    body = request.get_json(silent=True)
+    if body is None:
+        raise APIError(400, "the request body must be valid JSON (Content-Type: application/json)",
+                       code="invalid_json")
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def enqueue(task_name: str, args: list, model: str) -> None:
+    """Send a task to the model's queue by name, so the web process never imports the workers' code."""
+    current_app.extensions["celery"].send_task(task_name, args=args, queue=queue_name(model))
+
+
+def tokenizer():
+    """The served model's tokenizer (torch-free), loaded once per web process."""
+    tok = current_app.extensions.get("llmq_tokenizer")
+    if tok is None:
+        from workers.model.tokenizer import Tokenizer
+
+        tok = current_app.extensions["llmq_tokenizer"] = Tokenizer.from_folder(settings().resolved_model_path())
+    return tok

@@ -1,0 +1,22 @@
+"""GET /v1/workers: the workers' latest heartbeats (model, running, waiting, free and total KV blocks)."""
+import json
+import time
+
+from flask import Blueprint
+
+from app.api.common import redis_client, settings
+from app.streams import WORKERS_KEY
+
+blueprint = Blueprint("workers", __name__, url_prefix="/v1")
+
+
+@blueprint.get("/workers")
+def list_workers():
+    stale_after = 3 * settings().heartbeat_seconds + 5
+    now = time.time()
+    workers = []
+    for name, raw in sorted(redis_client().hgetall(WORKERS_KEY).items()):
+        beat = json.loads(raw)
+        if now - beat.get("at", 0) <= stale_after:
+            workers.append({"name": name.decode() if isinstance(name, bytes) else name, **beat})
+    return {"object": "list", "data": workers}

@@ -1,0 +1,98 @@
+"""Settings from the environment, with embedded defaults. The only place llmq reads os.environ.
+
+With nothing set, everything runs on one machine: a SQLite file and an auto-started Redis under
+LLMQ_HOME, and the project's own default model.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def _str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    redis_url: str | None  # None: start (or reuse) the embedded Redis under `home`
+    model_path: str | None  # None: the default model, made once under `home`
+    model_name: str | None  # the id clients send as "model"; default: the model folder's name
+    port: int = 8000
+    embedded_redis_port: int = 6390
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_batch_lines: int = 50_000
+    visibility_timeout: int = 3600  # seconds before Redis redelivers an unacknowledged task
+    stream_maxlen: int = 10_000  # entries kept per request stream
+    stream_ttl: int = 24 * 3600  # seconds a finished request's stream stays replayable
+    heartbeat_seconds: int = 2
+    device: str = "cpu"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | None = None
+    worker_threads: int | None = None  # Celery threads per worker; default: max_num_seqs
+    engine_extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        home = Path(_str("LLMQ_HOME") or Path.home() / ".cache" / "llmq")
+        return cls(
+            home=home,
+            database_url=_str("DATABASE_URL", f"sqlite:///{home / 'llmq.db'}"),
+            redis_url=_str("REDIS_URL"),
+            model_path=_str("MODEL_PATH"),
+            model_name=_str("MODEL_NAME"),
+            port=_int("PORT", 8000),
+            embedded_redis_port=_int("LLMQ_EMBEDDED_REDIS_PORT", 6390),
+            max_upload_bytes=_int("LLMQ_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
+            max_batch_lines=_int("LLMQ_MAX_BATCH_LINES", 50_000),
+            visibility_timeout=_int("LLMQ_VISIBILITY_TIMEOUT", 3600),
+            stream_maxlen=_int("LLMQ_STREAM_MAXLEN", 10_000),
+            stream_ttl=_int("LLMQ_STREAM_TTL", 24 * 3600),
+            heartbeat_seconds=_int("LLMQ_HEARTBEAT_SECONDS", 2),
+            device=_str("LLMQ_DEVICE", "cpu"),
+            max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", 128),
+            max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),
+            kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
+            worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
+        )
+
+    def resolved_model_path(self) -> Path:
+        """The model folder; the default model is written on first use."""
+        if self.model_path:
+            return Path(self.model_path)
+        from workers.model.checkpoint import ensure_default_model  # torch-free
+        return ensure_default_model(self.home / "models")
+
+    def resolved_model_name(self) -> str:
+        return self.model_name or self.resolved_model_path().name
+
+    def resolved_redis_url(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        from app.embedded_redis import ensure_embedded_redis
+        return ensure_embedded_redis(self.home / "redis", self.embedded_redis_port)
+
+    def engine_options(self) -> dict:
+        options = {"device": self.device, "max_num_seqs": self.max_num_seqs,
+                   "max_num_batched_tokens": self.max_num_batched_tokens}
+        if self.kv_cache_bytes:
+            options["kv_cache_bytes"] = self.kv_cache_bytes
+        return options
+
+
+def queue_name(model_name: str) -> str:
+    """Each model has its own Celery queue, so workers of different models share one broker."""
+    return f"llmq.{model_name}"

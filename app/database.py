@@ -1,0 +1,42 @@
+"""The SQLAlchemy engine and sessions, bound to the Flask app (and so to the Celery workers)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        # Several processes write (web, every worker thread): WAL lets readers run beside the one
+        # writer, and a busy timeout makes a writer wait for the lock instead of failing.
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record):
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=40)
+
+
+class Database:
+    """app.extensions["llmq_db"]: one engine per process, a short session per unit of work."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Session:
+        """A transaction: committed on success, rolled back on error."""
+        with self._sessions() as session, session.begin():
+            yield session

@@ -1,0 +1,57 @@
+"""Every error in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from workers.engine.config import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_type = error_type or _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   error_type: str | None = None):
+    err = APIError(status, message, param, code, error_type)
+    body = {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
+    return jsonify(body), status
+
+
+def not_found(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"No {kind} found with id '{object_id}'", param="id", code="not_found")
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(APIError)
+    def _api_error(err: APIError):
+        return error_response(err.status, err.message, err.param, err.code, err.error_type)
+
+    @app.errorhandler(InvalidRequest)
+    def _invalid(err: InvalidRequest):
+        return error_response(400, str(err), err.param, "invalid_request")
+
+    @app.errorhandler(HTTPException)
+    def _http(err: HTTPException):
+        messages = {
+            404: "Not found: no such endpoint (see README for the API)",
+            405: f"Method not allowed: {err.description}",
+            413: "The upload is larger than this server accepts (LLMQ_MAX_UPLOAD_BYTES)",
+        }
+        message = messages.get(err.code, err.description)
+        return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        log.exception("unhandled error")  # the traceback goes to the log, never to the client
+        return error_response(500, "The server had an error while processing your request", code="server_error")

@@ -1,0 +1,98 @@
+"""SQLAlchemy tables: requests, files, batches, batch items. Created by the Alembic migrations."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from sqlalchemy import JSON, ForeignKey, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def now() -> float:
+    return time.time()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Request(Base):
+    """One completion request (a single API call, or one line of a batch), and its result."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("req_"))
+    kind: Mapped[str] = mapped_column(String(16), default="completion")  # completion | chat
+    model: Mapped[str] = mapped_column(String(200))
+    body: Mapped[dict] = mapped_column(JSON)  # the request body as the client sent it (validated)
+    status: Mapped[str] = mapped_column(String(16), default="queued")  # queued|running|completed|failed|cancelled
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"), index=True, default=None)
+    response: Mapped[dict | None] = mapped_column(JSON, default=None)  # the completion object when done
+    error: Mapped[dict | None] = mapped_column(JSON, default=None)  # {"code", "message"} when failed
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(default=now)
+    started_at: Mapped[float | None] = mapped_column(default=None)
+    first_token_at: Mapped[float | None] = mapped_column(default=None)
+    finished_at: Mapped[float | None] = mapped_column(default=None)
+
+
+class File(Base):
+    """An uploaded or generated file. Content lives in the database, so every machine can read it."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("file-"))
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column(default=now)
+    deleted: Mapped[bool] = mapped_column(default=False)
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("batch_"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(200))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    completion_window: Mapped[str] = mapped_column(String(16), default="24h")
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, default=None)
+    errors: Mapped[dict | None] = mapped_column(JSON, default=None)
+    output_file_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(default=now)
+    in_progress_at: Mapped[float | None] = mapped_column(default=None)
+    expires_at: Mapped[float | None] = mapped_column(default=None)
+    finalizing_at: Mapped[float | None] = mapped_column(default=None)
+    completed_at: Mapped[float | None] = mapped_column(default=None)
+    failed_at: Mapped[float | None] = mapped_column(default=None)
+    expired_at: Mapped[float | None] = mapped_column(default=None)
+    cancelling_at: Mapped[float | None] = mapped_column(default=None)
+    cancelled_at: Mapped[float | None] = mapped_column(default=None)
+
+
+class BatchItem(Base):
+    """One line of a batch input file. `result` is the whole output or error line, written once."""
+
+    __tablename__ = "batch_items"
+    __table_args__ = (Index("ix_batch_items_batch_status", "batch_id", "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"))
+    line: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(500), default=None)
+    body: Mapped[dict | None] = mapped_column(JSON, default=None)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|completed|failed|cancelled
+    request_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    result: Mapped[str | None] = mapped_column(Text, default=None)  # the JSONL line for the output/error file

@@ -1,0 +1,164 @@
+"""A batch's life in the database: validating -> in_progress -> finalizing -> completed (or failed,
+cancelling -> cancelled). Plain SQL bookkeeping, no torch: the web process uses it too.
+
+Every line becomes one BatchItem. An item's result (its output or error line) is written once, in the
+same transaction that moves the batch's counts, so a redelivered task never counts a line twice and
+a finished line is never redone. Whoever finishes the last line finalizes, guarded by a conditional
+status update so exactly one does.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from app.models import Batch, BatchItem, File
+from workers.engine.config import InvalidRequest
+from workers.openai_protocol import (CHAT_ENDPOINT, BatchLineError, batch_error_line, batch_output_line,
+                                     parse_batch_line, parse_chat_request, parse_completion_request)
+
+log = logging.getLogger(__name__)
+
+TERMINAL_ITEM_STATES = ("completed", "failed", "cancelled")
+
+
+def expand_input(session: Session, batch: Batch, served_model: str, max_lines: int) -> list[int]:
+    """validating -> in_progress (or failed): one BatchItem per input line; bad lines are failed items
+    with their error line written. Returns the ids of the items to run."""
+    content = session.get(File, batch.input_file_id).content
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        return _fail_batch(batch, "invalid_file", "the input file is not UTF-8 text")
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not numbered:
+        return _fail_batch(batch, "empty_file", "the input file has no request lines")
+    if len(numbered) > max_lines:
+        return _fail_batch(batch, "too_many_lines",
+                           f"the input file has {len(numbered)} lines; this server takes at most {max_lines}")
+    parse_body = parse_chat_request if batch.endpoint == CHAT_ENDPOINT else parse_completion_request
+    seen: set[str] = set()
+    items = []
+    for line_no, line in numbered:
+        item = BatchItem(batch_id=batch.id, line=line_no, status="pending")
+        try:
+            parsed = parse_batch_line(line, line_no, batch.endpoint)
+            item.custom_id, item.body = parsed.custom_id, parsed.body
+            if parsed.custom_id in seen:
+                raise BatchLineError(f"line {line_no}: custom_id {parsed.custom_id!r} appears earlier in the file",
+                                     "duplicate_custom_id", line_no, parsed.custom_id)
+            seen.add(parsed.custom_id)
+            model = parsed.body.get("model")
+            if model is not None and model != served_model:
+                raise BatchLineError(f"line {line_no}: model {model!r} is not served here (this server runs "
+                                     f"{served_model!r})", "model_not_found", line_no, parsed.custom_id)
+            parse_body(parsed.body)
+        except BatchLineError as err:
+            _set_result(item, "failed", batch_error_line(err.custom_id, err.code, str(err), err.line))
+        except InvalidRequest as err:
+            message = f"line {line_no}: {err}" + (f" (param: {err.param})" if err.param else "")
+            _set_result(item, "failed", batch_error_line(item.custom_id, "invalid_request", message, line_no))
+        items.append(item)
+    session.add_all(items)
+    batch.total = len(items)
+    batch.failed = sum(item.status == "failed" for item in items)
+    batch.status, batch.in_progress_at = "in_progress", time.time()
+    session.flush()
+    return [item.id for item in items if item.status == "pending"]
+
+
+def claim_item(session: Session, item_id: int, request_id: str) -> tuple[BatchItem, Batch] | None:
+    """Mark an item running under `request_id`; None if it is already finished (a redelivery after
+    the result was written) or its batch is no longer running."""
+    item = session.get(BatchItem, item_id)
+    if item is None or item.status in TERMINAL_ITEM_STATES:
+        return None
+    batch = session.get(Batch, item.batch_id)
+    if batch.status != "in_progress":
+        record_result(session, item_id, "cancelled", None)
+        return None
+    item.status, item.request_id = "running", request_id
+    return item, batch
+
+
+def pending_items(session: Session, batch_id: str) -> list[BatchItem]:
+    return list(session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id,
+                                                        BatchItem.status.in_(("pending", "running")))))
+
+
+def record_result(session: Session, item_id: int, status: str, line: dict | None) -> bool:
+    """Write an item's result once and move its batch's counts in the same transaction."""
+    result = json.dumps(line) if line is not None else None
+    changed = session.execute(
+        update(BatchItem).where(BatchItem.id == item_id, BatchItem.status.not_in(TERMINAL_ITEM_STATES))
+        .values(status=status, result=result)).rowcount
+    if not changed:
+        return False
+    batch_id = session.get(BatchItem, item_id).batch_id
+    if status in ("completed", "failed"):
+        column = Batch.completed if status == "completed" else Batch.failed
+        session.execute(update(Batch).where(Batch.id == batch_id).values({column: column + 1}))
+    return True
+
+
+def success_line(custom_id: str, response: dict) -> dict:
+    return batch_output_line(custom_id, response)
+
+
+def error_line(item: BatchItem, code: str, message: str) -> dict:
+    return batch_error_line(item.custom_id, code, message, item.line)
+
+
+def finalize_if_done(session: Session, batch_id: str) -> str | None:
+    """If no item is left to run, write the output and error files and end the batch. Returns the
+    new status, or None if the batch is not done (or another process is finalizing it)."""
+    unfinished = session.scalar(select(func.count()).select_from(BatchItem).where(
+        BatchItem.batch_id == batch_id, BatchItem.status.not_in(TERMINAL_ITEM_STATES)))
+    if unfinished:
+        return None
+    now = time.time()
+    claimed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress", "cancelling")))
+                              .values(finalizing_at=now)).rowcount
+    if not claimed:
+        return None
+    batch = session.get(Batch, batch_id)
+    cancelling = batch.status == "cancelling"
+    batch.status = "finalizing" if not cancelling else batch.status
+    items = session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id).order_by(BatchItem.line)).all()
+    outputs = [i.result for i in items if i.status == "completed"]
+    errors = [i.result for i in items if i.status == "failed"]
+    if outputs:
+        batch.output_file_id = _write_file(session, f"{batch_id}_output.jsonl", outputs)
+    if errors:
+        batch.error_file_id = _write_file(session, f"{batch_id}_errors.jsonl", errors)
+    if cancelling:
+        batch.status, batch.cancelled_at = "cancelled", now
+    else:
+        batch.status, batch.completed_at = "completed", now
+    log.info("batch %s %s: %d completed, %d failed", batch_id, batch.status, batch.completed, batch.failed)
+    return batch.status
+
+
+def request_counts(batch: Batch) -> dict:
+    return {"total": batch.total, "completed": batch.completed, "failed": batch.failed}
+
+
+def _write_file(session: Session, filename: str, lines: list[str]) -> str:
+    content = ("\n".join(lines) + "\n").encode()
+    file = File(filename=filename, purpose="batch_output", bytes=len(content), content=content)
+    session.add(file)
+    session.flush()
+    return file.id
+
+
+def _set_result(item: BatchItem, status: str, line: dict) -> None:
+    item.status, item.result = status, json.dumps(line)
+
+
+def _fail_batch(batch: Batch, code: str, message: str) -> list[int]:
+    batch.status, batch.failed_at = "failed", time.time()
+    batch.errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+    return []

@@ -1,0 +1,50 @@
+"""One request row through the engine: body -> prompts and params -> EngineService -> response object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.config import SamplingParams
+from workers.model.tokenizer import Tokenizer
+from workers.openai_protocol import (chat_choice, chat_completion_object, completion_choice, completion_object,
+                                     parse_chat_request, parse_completion_request, usage_object)
+from workers.service import EngineService, Job
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompts: list
+    params: SamplingParams
+    echo: bool = False
+
+
+def prepare(kind: str, body: dict, tokenizer: Tokenizer) -> PreparedRequest:
+    """Validate and turn a stored body into engine input. Raises InvalidRequest."""
+    if kind == "chat":
+        chat = parse_chat_request(body)
+        rendered = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True)
+        # Templates write their own BOS, as in transformers' apply_chat_template(tokenize=True).
+        return PreparedRequest([tokenizer.encode(rendered, add_special_tokens=False)], chat.params)
+    completion = parse_completion_request(body)
+    return PreparedRequest(completion.prompts, completion.params, completion.echo)
+
+
+def response_body(kind: str, completion_id: str, model: str, job: Job, prepared: PreparedRequest,
+                  tokenizer: Tokenizer, created: int | None = None) -> dict:
+    """The OpenAI completion (or chat.completion) object of a finished job."""
+    usage = usage_object(job.prompt_tokens, job.completion_tokens)
+    samples = [(k, output) for k, outputs in enumerate(job.outputs) for output in outputs]
+    if kind == "chat":
+        choices = [chat_choice(i, output, tokenizer.token_text) for i, (_, output) in enumerate(samples)]
+        return chat_completion_object(completion_id, model, choices, usage, created)
+    echoes = [tokenizer.decode(ids) if prepared.echo else "" for ids in job.prompt_token_ids]
+    choices = [completion_choice(i, output, tokenizer.token_text, echoes[k]) for i, (k, output) in enumerate(samples)]
+    return completion_object(completion_id, model, choices, usage, created)
+
+
+def execute(service: EngineService, request_id: str, kind: str, body: dict, model: str,
+            created: int | None = None) -> tuple[dict, Job]:
+    """Run a request to the end (publishing its tokens as they come). Raises InvalidRequest."""
+    tokenizer = service.engine.tokenizer
+    prepared = prepare(kind, body, tokenizer)
+    job = service.run(request_id, prepared.prompts, prepared.params)
+    return response_body(kind, request_id, model, job, prepared, tokenizer, created), job

@@ -1,0 +1,49 @@
+"""Token deltas -> Redis (stream + pub/sub, see app/streams.py); results -> the database."""
+from __future__ import annotations
+
+import json
+
+import redis
+
+from app.streams import publish_events, stream_key, tokens_channel
+from workers.engine.outputs import RequestDelta
+
+
+class StreamPublisher:
+    def __init__(self, client: redis.Redis, maxlen: int, ttl: int):
+        self.client, self.maxlen, self.ttl = client, maxlen, ttl
+
+    @staticmethod
+    def delta_event(index: int, delta: RequestDelta, t: float) -> dict:
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
+                        for lp in delta.logprobs]
+        return {"type": "delta", "index": index, "text": delta.text, "token_ids": list(delta.token_ids),
+                "logprobs": logprobs, "finish_reason": delta.finish_reason, "t": t}
+
+    @staticmethod
+    def done_event(prompt_tokens: int, completion_tokens: int, t: float) -> dict:
+        return {"type": "done", "t": t, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                                  "total_tokens": prompt_tokens + completion_tokens}}
+
+    @staticmethod
+    def error_event(code: str, message: str, t: float) -> dict:
+        return {"type": "error", "error": {"code": code, "message": message}, "t": t}
+
+    def publish(self, events: dict[str, list[dict]], finished: list[str] = ()) -> None:
+        """All of one step's events, every request, in one round trip."""
+        if not events:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for request_id, request_events in events.items():
+            for event in request_events:
+                payload = json.dumps(event)
+                pipe.xadd(stream_key(request_id), {"data": payload}, maxlen=self.maxlen, approximate=True)
+                pipe.publish(tokens_channel(request_id), payload)
+        for request_id in finished:
+            pipe.expire(stream_key(request_id), self.ttl)
+        pipe.execute()
+
+    def publish_one(self, request_id: str, event: dict, finished: bool = False) -> None:
+        publish_events(self.client, request_id, [event], self.maxlen, self.ttl if finished else None)

@@ -1,0 +1,209 @@
+"""EngineService: one engine per worker process, driven by one loop thread that owns the device.
+
+Celery task threads call `run()`: it hands the request to the loop and waits. The loop admits new
+requests, aborts cancelled ones, runs `engine.step()`, and publishes each step's token deltas to
+Redis in one round trip, so tokens reach streaming clients as they are made. A cancel published on
+`llmq:cancel` aborts the request at the next step and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from workers.engine.config import InvalidRequest, SamplingParams
+from workers.engine.outputs import CompletionOutput, RequestDelta
+from workers.publisher import StreamPublisher
+
+if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
+    from workers.engine.llm import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """The engine broke while running a request (a bug or a device fault), not the request's fault."""
+
+
+@dataclass
+class Job:
+    """One API request (possibly several prompts, each with n samples) in the engine."""
+
+    request_id: str
+    prompts: list
+    params: SamplingParams
+    outputs: list[list[CompletionOutput]] = field(default_factory=list)  # [prompt][sample]
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    error: Exception | None = None  # InvalidRequest (refused) or EngineFailure
+    first_token_at: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [f"{self.request_id}#{k}" for k in range(len(self.prompts))]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for outs in self.outputs for o in outs)
+
+    @property
+    def cancelled(self) -> bool:
+        return any(o.finish_reason == "abort" for outs in self.outputs for o in outs)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for outs in self.outputs for o in outs)
+
+
+class EngineService:
+    def __init__(self, engine: "LLMEngine", publisher: StreamPublisher):
+        self.engine = engine
+        self.publisher = publisher
+        self._intake: queue.Queue[Job] = queue.Queue()
+        self._cancels: queue.Queue[str] = queue.Queue()
+        self._jobs: dict[str, Job] = {}  # by API request id; touched by the loop thread only
+        self._by_engine_id: dict[str, Job] = {}
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmq-engine-loop", daemon=True)
+        self._stats_lock = threading.Lock()
+        self._stats = engine.stats()
+
+    # ---- called from task threads --------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None) -> Job:
+        """Generate, publishing tokens as they come; returns when every sample has finished. Raises
+        InvalidRequest if the engine refuses the request (e.g. longer than the context)."""
+        job = Job(request_id, prompts, params)
+        self._intake.put(job)
+        self._wake.set()
+        if not job.done.wait(timeout):
+            self.cancel(request_id)
+            job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def cancel(self, request_id: str) -> None:
+        """Abort at the next step (thread-safe; unknown or finished ids are ignored)."""
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        with self._stats_lock:
+            return dict(self._stats)
+
+    # ---- the loop thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._admit()
+                self._abort()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self._dispatch(self.engine.step())
+                with self._stats_lock:
+                    self._stats = self.engine.stats()
+            except Exception:  # one bad step must not take the worker down: fail what was in flight
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all()
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                job = self._intake.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                for engine_id, prompt in zip(job.engine_ids, job.prompts):
+                    seq = self.engine.add_request(engine_id, prompt, job.params)
+                    job.prompt_token_ids.append(seq.prompt_token_ids)
+                    job.outputs.append([CompletionOutput(i) for i in range(job.params.n)])
+                    self._by_engine_id[engine_id] = job
+            except InvalidRequest as err:
+                for engine_id in job.engine_ids:
+                    self.engine.abort(engine_id)
+                    self._by_engine_id.pop(engine_id, None)
+                job.error = err
+                job.done.set()
+                continue
+            self._jobs[job.request_id] = job
+
+    def _abort(self) -> None:
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            job = self._jobs.get(request_id)
+            if job is not None:
+                for engine_id in job.engine_ids:
+                    self.engine.abort(engine_id)  # the abort deltas come out of the next step
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        events: dict[str, list[dict]] = {}
+        finished_jobs = []
+        now = time.time()
+        for delta in deltas:
+            job = self._by_engine_id.get(delta.request_id)
+            if job is None:
+                continue
+            prompt_number = job.engine_ids.index(delta.request_id)
+            job.outputs[prompt_number][delta.index].add(delta)
+            if job.first_token_at is None and delta.token_ids:
+                job.first_token_at = now
+            events.setdefault(job.request_id, []).append(
+                self.publisher.delta_event(prompt_number * job.params.n + delta.index, delta, now))
+            if delta.finished and job.finished:
+                finished_jobs.append(job)
+        for job in finished_jobs:
+            events.setdefault(job.request_id, []).append(
+                self.publisher.done_event(job.prompt_tokens, job.completion_tokens, now))
+        self.publisher.publish(events, finished=[job.request_id for job in finished_jobs])
+        for job in finished_jobs:
+            self._jobs.pop(job.request_id, None)
+            for engine_id in job.engine_ids:
+                self._by_engine_id.pop(engine_id, None)
+            job.done.set()
+
+    def _fail_all(self) -> None:
+        for job in list(self._jobs.values()):
+            for engine_id in job.engine_ids:
+                self.engine.abort(engine_id)
+                self._by_engine_id.pop(engine_id, None)
+            job.error = EngineFailure("the engine failed while running this request; see the worker log")
+            job.done.set()
+        self._jobs.clear()
+
+
+_current: EngineService | None = None
+
+
+def install(service: EngineService) -> None:
+    """Make `service` this process's engine service (done once, when the worker starts)."""
+    global _current
+    _current = service
+
+
+def current_service() -> EngineService:
+    if _current is None:
+        raise RuntimeError("no engine in this process: tasks run in an llmq worker (see workers/celery_app.py)")
+    return _current

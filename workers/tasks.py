@@ -1,0 +1,119 @@
+"""Celery tasks: thin, they take ids and call the engine service and the batch bookkeeping.
+
+Every task is safe to run twice (late acknowledgement redelivers a crashed worker's tasks): the
+database says what is already done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from celery import shared_task
+from flask import current_app
+
+from app.config import queue_name
+from app.models import Batch, BatchItem, Request, new_id
+from app.streams import is_cancelled
+from workers import batch_lifecycle
+from workers.completion_runner import execute
+from workers.engine.config import InvalidRequest
+from workers.service import EngineFailure, current_service
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+def _db():
+    return current_app.extensions["llmq_db"]
+
+
+def _redis():
+    return current_app.extensions["llmq_redis"]
+
+
+@shared_task(name="llmq.complete")
+def complete(request_id: str) -> str:
+    """Run one API request (completion or chat) and store its result."""
+    db, service = _db(), current_service()
+    with db.session() as session:
+        request = session.get(Request, request_id)
+        if request is None or request.status in TERMINAL:
+            return "skipped"
+        if is_cancelled(_redis(), request_id):
+            request.status, request.finished_at = "cancelled", time.time()
+            service.publisher.publish_one(request_id, service.publisher.error_event(
+                "cancelled", "the request was cancelled before it started", time.time()), finished=True)
+            return "cancelled"
+        request.status, request.started_at = "running", time.time()
+        kind, body, model, created = request.kind, request.body, request.model, int(request.created_at)
+    try:
+        response, job = execute(service, request_id, kind, body, model, created)
+    except (InvalidRequest, EngineFailure) as err:
+        code = "invalid_request" if isinstance(err, InvalidRequest) else "server_error"
+        service.publisher.publish_one(request_id, service.publisher.error_event(code, str(err), time.time()),
+                                      finished=True)
+        with db.session() as session:
+            request = session.get(Request, request_id)
+            request.status, request.finished_at = "failed", time.time()
+            request.error = {"code": code, "message": str(err), "param": getattr(err, "param", None)}
+        return "failed"
+    with db.session() as session:
+        request = session.get(Request, request_id)
+        request.status = "cancelled" if job.cancelled else "completed"
+        request.response = response
+        request.prompt_tokens, request.completion_tokens = job.prompt_tokens, job.completion_tokens
+        request.first_token_at, request.finished_at = job.first_token_at, time.time()
+    return request.status
+
+
+@shared_task(name="llmq.run_batch")
+def run_batch(batch_id: str) -> int:
+    """Validate a batch's input file and fan its lines out as one task each."""
+    settings = current_app.config["LLMQ"]
+    with _db().session() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return 0
+        if batch.status == "validating":
+            item_ids = batch_lifecycle.expand_input(session, batch, batch.model, settings.max_batch_lines)
+        else:  # a redelivery: send again what has not run (items run at most once, see run_batch_item)
+            item_ids = [i.id for i in batch_lifecycle.pending_items(session, batch_id)]
+        queue = queue_name(batch.model)
+    for item_id in item_ids:
+        run_batch_item.apply_async(args=[item_id], queue=queue)
+    with _db().session() as session:
+        batch_lifecycle.finalize_if_done(session, batch_id)
+    log.info("batch %s: %d lines queued", batch_id, len(item_ids))
+    return len(item_ids)
+
+
+@shared_task(name="llmq.run_batch_item")
+def run_batch_item(item_id: int) -> str:
+    """One line of a batch: run it, then write its result and the batch's counts in one transaction."""
+    db, service = _db(), current_service()
+    request_id = new_id("cmpl-")
+    with db.session() as session:
+        claimed = batch_lifecycle.claim_item(session, item_id, request_id)
+        if claimed is None:
+            batch_id = None
+        else:
+            item, batch = claimed
+            batch_id, body, custom_id, endpoint, model = batch.id, item.body, item.custom_id, batch.endpoint, batch.model
+    if batch_id is None:
+        return "skipped"
+    kind = "chat" if endpoint.endswith("/chat/completions") else "completion"
+    try:
+        response, job = execute(service, request_id, kind, body, model)
+        status = "cancelled" if job.cancelled else "completed"
+        line = batch_lifecycle.success_line(custom_id, response) if status == "completed" else None
+    except (InvalidRequest, EngineFailure) as err:
+        status = "failed"
+        code = "invalid_request" if isinstance(err, InvalidRequest) else "server_error"
+        with db.session() as session:
+            line = batch_lifecycle.error_line(session.get(BatchItem, item_id), code, str(err))
+    with db.session() as session:
+        batch_lifecycle.record_result(session, item_id, status, line)
+    with db.session() as session:
+        batch_lifecycle.finalize_if_done(session, batch_id)
+    return status
