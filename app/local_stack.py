@@ -1,0 +1,150 @@
+"""Everything llmq runs, on one machine, as real processes: Redis, migrations, a Celery worker, and
+the web server. Used by `llmq demo`, by the service tests and by the service benchmark.
+
+    with LocalStack(env) as stack:          # env: DATABASE_URL, REDIS_URL, MODEL_PATH ... (or none)
+        requests.post(stack.base_url + "/v1/completions", ...)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from app.config import Settings
+from app.embedded_redis import start_redis_server, wait_for_redis
+from app.streams import WORKERS_KEY
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def migrate(database_url: str) -> None:
+    """alembic upgrade head, as the Procfile's release step does."""
+    subprocess.run([sys.executable, "-m", "alembic", "-x", f"url={database_url}", "upgrade", "head"],
+                   cwd=REPO_ROOT, check=True, capture_output=True)
+
+
+class LocalStack:
+    def __init__(self, env: dict[str, str] | None = None, start_redis: bool = False, workers: int = 1,
+                 log_dir: Path | None = None):
+        """`env` overrides the environment for every process. With start_redis, a private
+        redis-server on a free port is started (and stopped) by the stack."""
+        self.env = {**os.environ, **(env or {})}
+        self.start_redis = start_redis
+        self.num_workers = workers
+        self.log_dir = log_dir
+        self.redis_process: subprocess.Popen | None = None
+        self.worker_processes: list[subprocess.Popen] = []
+        self.server = None
+        self.base_url = ""
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.start_redis:
+            port = free_port()
+            home = Path(self.env.get("LLMQ_HOME") or Settings.from_env().home)
+            self.redis_process = start_redis_server(home / f"redis-{port}", port, daemonize=False)
+            self.env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        self.settings = self._settings()
+        self.redis_url = self.settings.resolved_redis_url()
+        self.env["REDIS_URL"] = self.redis_url
+        wait_for_redis(self.redis_url)
+        migrate(self.settings.database_url)
+        for i in range(self.num_workers):
+            self.start_worker(f"w{i}")
+        self.wait_for_workers(self.num_workers)
+        self._start_web()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+        for process in self.worker_processes:
+            self._terminate(process)
+        if self.redis_process is not None:
+            self._terminate(self.redis_process)
+
+    # ---- parts ---------------------------------------------------------------------------
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        """A real Celery worker process (threads pool, the engine loaded before it consumes)."""
+        out = open(self.log_dir / f"worker-{name}.log", "w") if self.log_dir else subprocess.DEVNULL
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--loglevel", "INFO",
+             "-n", f"{name}@%h", "--without-gossip", "--without-mingle"],
+            cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.worker_processes.append(process)
+        return process
+
+    def wait_for_workers(self, count: int, timeout: float = 180.0) -> list[dict]:
+        """Until `count` workers send heartbeats (the engine is loaded and warm by then)."""
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fresh = [json.loads(v) for v in client.hgetall(WORKERS_KEY).values()]
+            fresh = [b for b in fresh if time.time() - b["at"] < 10]
+            if len(fresh) >= count:
+                return fresh
+            dead = [p for p in self.worker_processes if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a worker exited with code {dead[0].returncode} while starting"
+                                   + (f"; see {self.log_dir}" if self.log_dir else ""))
+            time.sleep(0.2)
+        raise RuntimeError(f"{count} worker(s) did not report within {timeout:.0f} s")
+
+    def _settings(self) -> Settings:
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+        try:
+            return Settings.from_env()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def _start_web(self) -> None:
+        from werkzeug.serving import make_server
+
+        from app import create_app
+
+        port = free_port()
+        flask_app = create_app(self.settings)
+        self.app = flask_app
+        self.server = make_server("127.0.0.1", port, flask_app, threaded=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True, name="llmq-web").start()
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    @staticmethod
+    def _terminate(process: subprocess.Popen, timeout: float = 15.0) -> None:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
