@@ -1,7 +1,10 @@
 """The service tier: a real Redis server, real Celery worker processes, the web app on a real server."""
 from __future__ import annotations
 
+import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import httpx
@@ -11,10 +14,25 @@ from app.local_stack import LocalStack
 MODEL_NAME = "stories260k"
 
 
+# stories260k has no chat template; the served copy gets a simple one so the chat API can be tested.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 @pytest.fixture(scope="session")
-def stack(stories_dir, tmp_path_factory):
+def served_model_dir(stories_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("models") / MODEL_NAME
+    shutil.copytree(stories_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def stack(served_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("llmq-home")
-    env = {"LLMQ_HOME": str(home), "DATABASE_URL": f"sqlite:///{home / 'llmq.db'}", "MODEL_PATH": str(stories_dir),
+    env = {"LLMQ_HOME": str(home), "DATABASE_URL": f"sqlite:///{home / 'llmq.db'}", "MODEL_PATH": str(served_model_dir),
            "MODEL_NAME": MODEL_NAME, "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_HEARTBEAT_SECONDS": "1",
            "LLMQ_MAX_UPLOAD_BYTES": str(1 << 20)}
     with LocalStack(env, start_redis=True, log_dir=home) as running:
