@@ -132,6 +132,7 @@ class LocalStack:
 
         from app import create_app
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per poll
         port = free_port()
         flask_app = create_app(self.settings)
         self.app = flask_app

@@ -28,15 +28,24 @@ def test_bad_model_folder_is_a_clear_error(tmp_path):
     assert "config.json" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_demo_runs_a_bulk_job_on_the_default_model(tmp_path):
-    env = {"LLMQ_HOME": str(tmp_path), "MODEL_PATH": ""}
+def test_demo_runs_a_bulk_job_through_the_service(tmp_path):
+    """`llmq demo`: Redis, SQLite, a Celery worker and HTTP, on the default model the project makes."""
+    env = {"LLMQ_HOME": str(tmp_path), "MODEL_PATH": "", "REDIS_URL": "", "DATABASE_URL": ""}
     result = _llmq("demo", env=env)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     output = tmp_path / "demo" / "output.jsonl"
     assert str(output) in result.stdout
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(rows) == 20 and all(r["response"]["status_code"] == 200 for r in rows)
     assert all(r["response"]["body"]["usage"]["completion_tokens"] > 0 for r in rows)
-    errors = [json.loads(line) for line in (tmp_path / "demo" / "output.errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (tmp_path / "demo" / "errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["demo-bad"]
     assert (tmp_path / "models" / "llmq-tiny-random" / "model.safetensors").is_file()
+    assert (tmp_path / "llmq.db").is_file()
+
+
+def test_offline_demo(tmp_path):
+    result = _llmq("demo", "--offline", env={"LLMQ_HOME": str(tmp_path), "MODEL_PATH": ""})
+    assert result.returncode == 0, result.stderr
+    rows = (tmp_path / "demo-offline" / "output.jsonl").read_text().splitlines()
+    assert len(rows) == 20

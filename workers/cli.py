@@ -2,7 +2,7 @@
 
     llmq generate [--model DIR] "Once upon a time"     stream a completion to the terminal
     llmq batch run IN.jsonl OUT.jsonl [--model DIR]     offline bulk job on OpenAI batch lines (resumable)
-    llmq demo                                           a real bulk job end to end on the default model
+    llmq demo [--offline]                               a real bulk job end to end on the embedded defaults
     llmq default-model                                  print (and make, once) the default model's folder
 """
 from __future__ import annotations
@@ -14,15 +14,6 @@ import sys
 from pathlib import Path
 
 from workers.settings import default_model_path, llmq_home
-
-DEMO_PROMPTS = [
-    "Once upon a time", "The quick brown fox", "In a small village by the sea", "The robot looked at",
-    "Every morning, the baker", "A long time ago in a galaxy", "The best way to learn is", "She opened the door and",
-    "Water boils at", "The capital of France is", "My favourite colour is", "Tomorrow we will",
-    "The cat and the dog", "Rain fell on the", "He picked up the phone", "The old map showed",
-    "Music filled the room", "Under the bridge lived", "The scientist wrote", "At the end of the road",
-]
-
 
 def _engine_options(args) -> dict:
     options = {"device": args.device, "max_num_seqs": args.max_num_seqs,
@@ -70,29 +61,29 @@ def cmd_batch_run(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.offline:
+        return _offline_demo(args)
+    from app.demo import run_demo
+
+    return run_demo(llmq_home())
+
+
+def _offline_demo(args) -> int:
+    """The same bulk job through the offline runner: no Redis, no database, no HTTP."""
+    from app.demo import DEMO_PROMPTS, demo_lines
     from workers.batch_runner import run_batch_file
 
-    demo_dir = llmq_home() / "demo"
+    demo_dir = llmq_home() / "demo-offline"
     demo_dir.mkdir(parents=True, exist_ok=True)
     input_path, output_path = demo_dir / "input.jsonl", demo_dir / "output.jsonl"
     errors_path = demo_dir / "output.errors.jsonl"
-    with input_path.open("w") as f:
-        for i, prompt in enumerate(DEMO_PROMPTS):
-            body = {"model": "llmq-default", "prompt": prompt, "max_tokens": 32, "temperature": 0}
-            f.write(json.dumps({"custom_id": f"demo-{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-        f.write('{"custom_id": "demo-bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}}\n')
+    engine, model = _make_engine(args)
+    input_path.write_text("\n".join(demo_lines(model.name)) + "\n")
     for stale in (output_path, errors_path):
         stale.unlink(missing_ok=True)
-    engine, model = _make_engine(args)
-    print(f"model: {model}\nrunning {len(DEMO_PROMPTS) + 1} requests (one deliberately invalid) from {input_path}")
     summary = run_batch_file(engine, input_path, output_path, errors_path, model_name=model.name)
-    first = json.loads(output_path.read_text().splitlines()[0])
-    print(f"\n{summary.completed} completed, {summary.failed} failed, {summary.completion_tokens} tokens "
-          f"in {summary.seconds:.1f} s")
-    print(f"results: {output_path}\nerrors:  {errors_path}")
-    print(f"first result: {first['custom_id']}: {first['response']['body']['choices'][0]['text']!r}")
-    print("(the default model has random weights, so its text is noise; point --model or MODEL_PATH at a real "
-          "Hugging Face Llama folder for real text)")
+    print(f"{summary.completed} completed, {summary.failed} failed, {summary.completion_tokens} tokens "
+          f"in {summary.seconds:.1f} s\nresults: {output_path}\nerrors:  {errors_path}")
     return 0 if summary.completed == len(DEMO_PROMPTS) and summary.failed == 1 else 1
 
 
@@ -136,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model-name", help="the model name written into each response")
     run.set_defaults(func=cmd_batch_run)
 
-    demo = commands.add_parser("demo", help="a real bulk job end to end on the default model")
+    demo = commands.add_parser("demo", help="a real bulk job end to end: Redis, SQLite, a Celery worker, HTTP")
     _add_engine_arguments(demo)
+    demo.add_argument("--offline", action="store_true", help="run the job through the offline runner instead")
     demo.set_defaults(func=cmd_demo)
 
     default = commands.add_parser("default-model", help="print the default model's folder, making it once")
