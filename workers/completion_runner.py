@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.config import SamplingParams
-from workers.model.tokenizer import Tokenizer
+from workers.engine.config import InvalidRequest, SamplingParams
+from workers.model.tokenizer import Tokenizer, TokenizerError
 from workers.openai_protocol import (chat_choice, chat_completion_object, completion_choice, completion_object,
                                      parse_chat_request, parse_completion_request, usage_object)
 from workers.service import EngineService, Job
@@ -21,7 +21,10 @@ def prepare(kind: str, body: dict, tokenizer: Tokenizer) -> PreparedRequest:
     """Validate and turn a stored body into engine input. Raises InvalidRequest."""
     if kind == "chat":
         chat = parse_chat_request(body)
-        rendered = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True)
+        try:
+            rendered = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True)
+        except TokenizerError as err:  # no template, or one that refuses these messages
+            raise InvalidRequest(str(err), "messages") from None
         # Templates write their own BOS, as in transformers' apply_chat_template(tokenize=True).
         return PreparedRequest([tokenizer.encode(rendered, add_special_tokens=False)], chat.params)
     completion = parse_completion_request(body)

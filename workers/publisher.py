@@ -28,8 +28,8 @@ class StreamPublisher:
                                                   "total_tokens": prompt_tokens + completion_tokens}}
 
     @staticmethod
-    def error_event(code: str, message: str, t: float) -> dict:
-        return {"type": "error", "error": {"code": code, "message": message}, "t": t}
+    def error_event(code: str, message: str, t: float, param: str | None = None) -> dict:
+        return {"type": "error", "error": {"code": code, "message": message, "param": param}, "t": t}
 
     def publish(self, events: dict[str, list[dict]], finished: list[str] = ()) -> None:
         """All of one step's events, every request, in one round trip."""

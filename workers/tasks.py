@@ -51,8 +51,8 @@ def complete(request_id: str) -> str:
         response, job = execute(service, request_id, kind, body, model, created)
     except (InvalidRequest, EngineFailure) as err:
         code = "invalid_request" if isinstance(err, InvalidRequest) else "server_error"
-        service.publisher.publish_one(request_id, service.publisher.error_event(code, str(err), time.time()),
-                                      finished=True)
+        event = service.publisher.error_event(code, str(err), time.time(), getattr(err, "param", None))
+        service.publisher.publish_one(request_id, event, finished=True)
         with db.session() as session:
             request = session.get(Request, request_id)
             request.status, request.finished_at = "failed", time.time()

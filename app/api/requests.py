@@ -9,9 +9,10 @@
   completion object once completed, the error once failed. Works for the ids /v1/completions made too.
 - GET /v1/requests/{id}/events: Server-Sent Events, one per stream event (delta, done, error), each
   with its Redis stream entry id as the SSE id. Reconnect with Last-Event-ID (or ?last_event_id=) to
-  get the rest and nothing twice. Ends after done or error; heartbeat comments while waiting. By
-  default a client that disconnects cancels the request, as a streaming /v1/completions client does;
-  pass ?cancel_on_disconnect=false to keep it running while you reconnect. After the end, a client
+  get the rest and nothing twice. Ends after done or error; heartbeat comments while waiting. The
+  request was made not to hold a connection, so a client that disconnects from here does not cancel
+  it (it can reconnect and resume); pass ?cancel_on_disconnect=true to tie the request to this
+  connection, as a streaming /v1/completions client's is. After the end, a client
   that already has the last event gets 204 (so EventSource stops reconnecting), and once the stream
   has expired (LLMQ_STREAM_TTL) 410: the result stays in GET /v1/requests/{id}.
 - POST /v1/requests/{id}/cancel: sets the cancel flag (a running request stops at the worker's next
@@ -83,7 +84,7 @@ def request_events(request_id: str):
     if not _STREAM_ID.match(last_id):
         raise APIError(400, f"Last-Event-ID must be a stream entry id such as 1764400000000-0, got {last_id!r}",
                        param="last_event_id", code="invalid_request")
-    cancel_on_disconnect = request.args.get("cancel_on_disconnect", "true").lower() not in ("false", "0", "no")
+    cancel_on_disconnect = request.args.get("cancel_on_disconnect", "false").lower() in ("true", "1", "yes")
     redis = common.redis_client()
     last_entry = redis.xrevrange(stream_key(request_id), count=1)
     if last_entry:

@@ -381,8 +381,8 @@ def test_cancel_a_queued_request(client, worker, r):
     assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 409, code="cancelled")
 
 
-def test_events_client_leaving_cancels_unless_asked_not_to(client, worker, r):
-    for query, cancels in (("", True), ("?cancel_on_disconnect=false", False)):
+def test_events_client_leaving_cancels_only_when_asked_to(client, worker, r):
+    for query, cancels in (("", False), ("?cancel_on_disconnect=true", True)):
         request_id = client.post("/v1/requests", json={"model": MODEL, "prompt": "hi"}).get_json()["id"]
         worker.publish(request_id, [delta(0, "Once")])
         resp = client.get(f"/v1/requests/{request_id}/events{query}", buffered=False)
