@@ -24,6 +24,11 @@ if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not i
 log = logging.getLogger(__name__)
 
 
+# How long a cancel for a request not (yet) in the engine is remembered: covers the moment between a
+# task's cancel check and its request reaching the loop; cancels of finished requests simply expire.
+_EARLY_CANCEL_MEMORY_S = 60.0
+
+
 class EngineFailure(RuntimeError):
     """The engine broke while running a request (a bug or a device fault), not the request's fault."""
 
@@ -70,6 +75,8 @@ class EngineService:
         self._cancels: queue.Queue[str] = queue.Queue()
         self._jobs: dict[str, Job] = {}  # by API request id; touched by the loop thread only
         self._by_engine_id: dict[str, Job] = {}
+        # Cancels that arrived before their job was admitted (a task between its cancel check and run()).
+        self._early_cancels: dict[str, float] = {}
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llmq-engine-loop", daemon=True)
@@ -146,17 +153,25 @@ class EngineService:
                 job.done.set()
                 continue
             self._jobs[job.request_id] = job
+            if self._early_cancels.pop(job.request_id, None) is not None:
+                self._cancels.put(job.request_id)
 
     def _abort(self) -> None:
+        now = time.monotonic()
         while True:
             try:
                 request_id = self._cancels.get_nowait()
             except queue.Empty:
-                return
+                break
             job = self._jobs.get(request_id)
-            if job is not None:
-                for engine_id in job.engine_ids:
-                    self.engine.abort(engine_id)  # the abort deltas come out of the next step
+            if job is None:
+                self._early_cancels[request_id] = now
+                continue
+            for engine_id in job.engine_ids:
+                self.engine.abort(engine_id)  # the abort deltas come out of the next step
+        for request_id, at in list(self._early_cancels.items()):
+            if now - at > _EARLY_CANCEL_MEMORY_S:
+                del self._early_cancels[request_id]
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         events: dict[str, list[dict]] = {}
