@@ -1,0 +1,103 @@
+"""The OpenAI Files API: upload a batch input file, list, get, download, delete.
+
+Content lives in the database (see app.models.File), so every web process and worker reads the same
+bytes. An upload is only stored, not checked: as with OpenAI, the lines are validated when a batch is
+created from the file, and each bad line becomes one error line of that batch.
+"""
+from __future__ import annotations
+
+import io
+
+from flask import Blueprint, request, send_file
+from sqlalchemy import select
+from sqlalchemy.orm import Session, defer
+
+from app.api.common import db, settings
+from app.errors import APIError, not_found
+from app.models import File
+from app.serializers import file_deleted_object, file_object
+
+blueprint = Blueprint("files", __name__, url_prefix="/v1")
+
+# Clients upload batch inputs only; "batch_output" files are written by the batch bookkeeping.
+UPLOAD_PURPOSES = ("batch",)
+MAX_FILENAME_CHARS = 500  # the width of files.filename
+
+
+@blueprint.post("/files")
+def upload_file():
+    # Touching request.files parses the multipart body. A body over MAX_CONTENT_LENGTH (set from
+    # max_upload_bytes in create_app) makes Werkzeug raise 413 right here, before it is read into
+    # memory; app.errors turns that into the OpenAI error shape.
+    upload = request.files.get("file")
+    purpose = request.form.get("purpose")
+    if upload is None:
+        raise APIError(400, "you must provide a file: POST /v1/files takes multipart/form-data with the "
+                            "content in a file part named 'file' and a 'purpose' field", param="file",
+                       code="missing_file")
+    if not purpose:
+        raise APIError(400, "you must provide a purpose ('batch')", param="purpose", code="missing_purpose")
+    if purpose not in UPLOAD_PURPOSES:
+        raise APIError(400, f"purpose {purpose!r} is not supported: llmq accepts uploads with purpose "
+                            f"{' or '.join(repr(p) for p in UPLOAD_PURPOSES)}", param="purpose",
+                       code="invalid_purpose")
+    content = upload.read()
+    limit = settings().max_upload_bytes
+    # MAX_CONTENT_LENGTH bounds the whole request; this also covers a body without Content-Length.
+    if len(content) > limit:
+        raise APIError(413, f"the file is {len(content)} bytes; this server accepts at most {limit} "
+                            "(LLMQ_MAX_UPLOAD_BYTES)", param="file", code="request_too_large")
+    filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+    with db().session() as session:
+        file = File(filename=filename, purpose=purpose, bytes=len(content), content=content)
+        session.add(file)
+        session.flush()  # assigns created_at
+        return file_object(file)
+
+
+@blueprint.get("/files")
+def list_files():
+    """Every file not deleted, newest first. llmq keeps few files (batch inputs and outputs), so the
+    list is one page: has_more is always false. `purpose` filters, as in OpenAI's API."""
+    query = (select(File).where(File.deleted.is_(False)).options(defer(File.content))  # metadata only
+             .order_by(File.created_at.desc(), File.id.desc()))
+    purpose = request.args.get("purpose")
+    if purpose:
+        query = query.where(File.purpose == purpose)
+    with db().session() as session:
+        data = [file_object(file) for file in session.scalars(query)]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+@blueprint.get("/files/<file_id>")
+def get_file(file_id: str):
+    with db().session() as session:
+        return file_object(_live_file(session, file_id))
+
+
+@blueprint.get("/files/<file_id>/content")
+def file_content(file_id: str):
+    with db().session() as session:
+        file = _live_file(session, file_id, with_content=True)
+        content, filename = file.content, file.filename
+    # send_file writes a Content-Disposition that is safe for any filename (RFC 5987 for non-ASCII).
+    return send_file(io.BytesIO(content), mimetype="application/octet-stream", as_attachment=True,
+                     download_name=filename, etag=False, conditional=False)
+
+
+@blueprint.delete("/files/<file_id>")
+def delete_file(file_id: str):
+    """Marks the file deleted: it answers 404 from now on. The bytes stay, because a batch created
+    from it may not have read its input yet."""
+    with db().session() as session:
+        _live_file(session, file_id).deleted = True
+    return file_deleted_object(file_id)
+
+
+def _live_file(session: Session, file_id: str, with_content: bool = False) -> File:
+    """The file, unless it never existed or was deleted (404 in the OpenAI shape). Its bytes are read
+    only when asked for: they can be hundreds of megabytes."""
+    file = session.get(File, file_id, options=[] if with_content else [defer(File.content)])
+    if file is None or file.deleted:
+        raise not_found("file", file_id)
+    return file
