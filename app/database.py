@@ -16,12 +16,20 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):
+            dbapi_connection.isolation_level = None  # transactions are begun below, not by the driver
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(connection):
+            # Take the write lock up front: a transaction that reads and then writes would otherwise
+            # fail at once ("database is locked") when another process wrote in between, since SQLite
+            # cannot wait out that conflict; up front, the busy timeout makes it wait its turn.
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=40)

@@ -62,10 +62,13 @@ def expand_input(session: Session, batch: Batch, served_model: str, max_lines: i
             message = f"line {line_no}: {err}" + (f" (param: {err.param})" if err.param else "")
             _set_result(item, "failed", batch_error_line(item.custom_id, "invalid_request", message, line_no))
         items.append(item)
+    # Only a batch still validating moves on: a cancel that landed meanwhile wins.
+    started = session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "validating").values(
+        status="in_progress", in_progress_at=time.time(), total=len(items),
+        failed=sum(item.status == "failed" for item in items))).rowcount
+    if not started:
+        return []
     session.add_all(items)
-    batch.total = len(items)
-    batch.failed = sum(item.status == "failed" for item in items)
-    batch.status, batch.in_progress_at = "in_progress", time.time()
     session.flush()
     return [item.id for item in items if item.status == "pending"]
 
@@ -159,6 +162,7 @@ def _set_result(item: BatchItem, status: str, line: dict) -> None:
 
 
 def _fail_batch(batch: Batch, code: str, message: str) -> list[int]:
-    batch.status, batch.failed_at = "failed", time.time()
-    batch.errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+    if batch.status == "validating":
+        batch.status, batch.failed_at = "failed", time.time()
+        batch.errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
     return []

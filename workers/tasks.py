@@ -95,7 +95,10 @@ def run_batch_item(item_id: int) -> str:
     request_id = new_id("cmpl-")
     with db.session() as session:
         claimed = batch_lifecycle.claim_item(session, item_id, request_id)
-        if claimed is None:
+        if claimed is None:  # done already, or its batch is being cancelled: it may be the last line
+            item = session.get(BatchItem, item_id)
+            if item is not None:
+                batch_lifecycle.finalize_if_done(session, item.batch_id)
             batch_id = None
         else:
             item, batch = claimed
