@@ -40,16 +40,20 @@ def migrate(database_url: str) -> None:
 
 class LocalStack:
     def __init__(self, env: dict[str, str] | None = None, start_redis: bool = False, workers: int = 1,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, web: str = "thread"):
         """`env` overrides the environment for every process. With start_redis, a private
-        redis-server on a free port is started (and stopped) by the stack."""
+        redis-server on a free port is started (and stopped) by the stack. `web`: "thread" serves the
+        app from a thread of this process (tests reach `stack.app`), "gunicorn" runs the Procfile's
+        web server as its own process."""
         self.env = {**os.environ, **(env or {})}
         self.start_redis = start_redis
         self.num_workers = workers
         self.log_dir = log_dir
         self.redis_process: subprocess.Popen | None = None
         self.worker_processes: list[subprocess.Popen] = []
+        self.web = web
         self.server = None
+        self.web_process: subprocess.Popen | None = None
         self.base_url = ""
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -84,6 +88,8 @@ class LocalStack:
     def stop(self) -> None:
         if self.server is not None:
             self.server.shutdown()
+        if self.web_process is not None:
+            self._terminate(self.web_process)
         for process in self.worker_processes:
             self._terminate(process)
         if self.redis_process is not None:
@@ -128,6 +134,8 @@ class LocalStack:
             os.environ.update(saved)
 
     def _start_web(self) -> None:
+        if self.web == "gunicorn":
+            return self._start_gunicorn()
         from werkzeug.serving import make_server
 
         from app import create_app
@@ -139,6 +147,25 @@ class LocalStack:
         self.server = make_server("127.0.0.1", port, flask_app, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True, name="llmq-web").start()
         self.base_url = f"http://127.0.0.1:{port}"
+
+    def _start_gunicorn(self) -> None:
+        port = free_port()
+        out = open(self.log_dir / "web.log", "w") if self.log_dir else subprocess.DEVNULL
+        self.web_process = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1", "--threads", "128",
+             "--bind", f"127.0.0.1:{port}", "app:create_app()"],
+            cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                if self.web_process.poll() is not None:
+                    raise RuntimeError(f"gunicorn exited with code {self.web_process.returncode}") from None
+                time.sleep(0.1)
+        raise RuntimeError("gunicorn did not start listening within 60 s")
 
     @staticmethod
     def _terminate(process: subprocess.Popen, timeout: float = 15.0) -> None:

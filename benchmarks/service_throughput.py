@@ -116,7 +116,8 @@ def main() -> None:
         env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
                "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": "128", "LLMQ_WORKER_THREADS": "160",
                **dict(item.split("=", 1) for item in args.worker_env)}
-        with LocalStack(env, start_redis=True, log_dir=Path(home)) as stack:
+        # The web server runs as its own process (as the Procfile runs it), not beside the clients.
+        with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
             with httpx.Client(base_url=stack.base_url, timeout=600) as client:
                 batch_times = [run_batch(client, requests) for _ in range(args.repeats)]
             print("batch through the service: " + ", ".join(f"{useful / t:.1f}" for t in batch_times)
