@@ -2,7 +2,6 @@
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import pool
 
 from app.config import Settings
 from app.database import make_engine

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from workers.engine.config import InvalidRequest, SamplingParams
 from workers.model.tokenizer import Tokenizer, TokenizerError
-from workers.openai_protocol import (chat_choice, chat_completion_object, completion_choice, completion_object,
+from workers.openai_protocol import (chat_choice, completion_choice, completion_object,
                                      parse_chat_request, parse_completion_request, usage_object)
 from workers.service import EngineService, Job
 
@@ -38,7 +38,7 @@ def response_body(kind: str, completion_id: str, model: str, job: Job, prepared:
     samples = [(k, output) for k, outputs in enumerate(job.outputs) for output in outputs]
     if kind == "chat":
         choices = [chat_choice(i, output, tokenizer.token_text) for i, (_, output) in enumerate(samples)]
-        return chat_completion_object(completion_id, model, choices, usage, created)
+        return completion_object(completion_id, model, choices, usage, created, object_type="chat.completion")
     echoes = [tokenizer.decode(ids) if prepared.echo else "" for ids in job.prompt_token_ids]
     choices = [completion_choice(i, output, tokenizer.token_text, echoes[k]) for i, (k, output) in enumerate(samples)]
     return completion_object(completion_id, model, choices, usage, created)

@@ -127,8 +127,9 @@ def completion_logprobs(logprobs: list[TokenLogprob], token_text, start_offset: 
 
 
 def completion_object(completion_id: str, model: str, choices: list[dict], usage: dict | None,
-                      created: int | None = None) -> dict:
-    body = {"id": completion_id, "object": "text_completion", "created": created or int(time.time()),
+                      created: int | None = None, object_type: str = "text_completion") -> dict:
+    """A completion ("text_completion") or chat completion ("chat.completion") answer."""
+    body = {"id": completion_id, "object": object_type, "created": created or int(time.time()),
             "model": model, "choices": choices}
     if usage is not None:
         body["usage"] = usage
@@ -267,15 +268,6 @@ def chat_choice(index: int, output: CompletionOutput, token_text=None) -> dict:
     logprobs = chat_logprobs(output.logprobs, token_text) if output.logprobs is not None and token_text else None
     return {"index": index, "message": {"role": "assistant", "content": output.text},
             "logprobs": logprobs, "finish_reason": output.finish_reason}
-
-
-def chat_completion_object(completion_id: str, model: str, choices: list[dict], usage: dict | None,
-                           created: int | None = None) -> dict:
-    body = {"id": completion_id, "object": "chat.completion", "created": created or int(time.time()),
-            "model": model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    return body
 
 
 def response_finish_reason(reason: str | None) -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,6 @@ import redis
 from app import create_app
 from app.api import common
 from app.config import Settings
-from app.embedded_redis import redis_server_binary, wait_for_redis
 from app.models import Request
 from app.streams import cancel_key, publish_events, stream_key
 
@@ -32,32 +30,6 @@ MODEL = "stories260k"
 
 
 # ---- fixtures -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                               "--dir", str(tmp_path_factory.mktemp("redis")), "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        wait_for_redis(url)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def migrated_db(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("db") / "template.db"
-    done = subprocess.run([sys.executable, "-m", "alembic", "-x", f"url=sqlite:///{path}", "upgrade", "head"],
-                          cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return path
-
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory, stories_dir) -> Path:

@@ -8,9 +8,6 @@ import base64
 import io
 import json
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,6 @@ from sqlalchemy import select
 
 from app import create_app
 from app.config import Settings, queue_name
-from app.embedded_redis import redis_server_binary, wait_for_redis
 from app.models import Batch, BatchItem, File
 from app.streams import cancel_key
 from workers import batch_lifecycle
@@ -31,34 +27,6 @@ QUEUE = queue_name(MODEL)
 
 
 # ---- fixtures -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    data_dir = tmp_path_factory.mktemp("redis")
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                               "--dir", str(data_dir), "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        wait_for_redis(url)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def migrated_db(tmp_path_factory) -> Path:
-    """Migrated once with Alembic (as deployments are); each test gets a copy."""
-    path = tmp_path_factory.mktemp("db") / "template.db"
-    done = subprocess.run([sys.executable, "-m", "alembic", "-x", f"url=sqlite:///{path}", "upgrade", "head"],
-                          cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return path
-
 
 @pytest.fixture
 def app(tmp_path, migrated_db, redis_url, stories_dir):
