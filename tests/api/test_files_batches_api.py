@@ -20,7 +20,6 @@ from app.models import Batch, BatchItem, File
 from app.streams import cancel_key
 from workers import batch_lifecycle
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "stories260k"
 MAX_UPLOAD = 4096
 QUEUE = queue_name(MODEL)
