@@ -8,7 +8,6 @@ import base64
 import io
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import redis
