@@ -118,17 +118,23 @@ class EngineService:
     # ---- the loop thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        progress = _Progress()
         while not self._stopping.is_set():
             try:
                 self._admit()
                 self._abort()
                 if not self.engine.has_unfinished():
+                    progress.report(self.engine.stats())
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                self._dispatch(self.engine.step())
+                started = time.perf_counter()
+                deltas = self.engine.step()
+                progress.add(time.perf_counter() - started, sum(len(d.token_ids) for d in deltas))
+                self._dispatch(deltas)
                 with self._stats_lock:
                     self._stats = self.engine.stats()
+                progress.report(self._stats)
             except Exception:  # one bad step must not take the worker down: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all()
@@ -207,6 +213,32 @@ class EngineService:
             job.error = EngineFailure("the engine failed while running this request; see the worker log")
             job.done.set()
         self._jobs.clear()
+
+
+class _Progress:
+    """What the engine loop did lately, logged every LOG_EVERY_S while it works."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self):
+        self.since = time.monotonic()
+        self.steps = self.tokens = 0
+        self.step_seconds = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+        self.tokens += tokens
+
+    def report(self, stats: dict) -> None:
+        elapsed = time.monotonic() - self.since
+        if elapsed < self.LOG_EVERY_S or not self.steps:
+            return
+        log.info("engine: %d steps (%.1f ms each, busy %.0f%%), %.0f tokens/s; running %d, waiting %d, "
+                 "free KV blocks %d/%d", self.steps, 1000 * self.step_seconds / self.steps,
+                 100 * self.step_seconds / elapsed, self.tokens / elapsed, stats["running"], stats["waiting"],
+                 stats["free_blocks"], stats["total_blocks"])
+        self.__init__()
 
 
 _current: EngineService | None = None

@@ -68,7 +68,7 @@ class ModelRunner:
             (torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
              torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
             for _ in range(self.model_config.num_hidden_layers)]
-        log.info(self.budget.describe())
+        log.info("%s; %d CPU threads", self.budget.describe(), torch.get_num_threads())
 
     # ---- memory --------------------------------------------------------------------------
 
