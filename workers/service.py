@@ -151,10 +151,13 @@ class EngineService:
                     job.prompt_token_ids.append(seq.prompt_token_ids)
                     job.outputs.append([CompletionOutput(i) for i in range(job.params.n)])
                     self._by_engine_id[engine_id] = job
-            except InvalidRequest as err:
+            except Exception as err:  # refused (InvalidRequest) or broken: either way this job ends here
                 for engine_id in job.engine_ids:
                     self.engine.abort(engine_id)
                     self._by_engine_id.pop(engine_id, None)
+                if not isinstance(err, InvalidRequest):
+                    log.exception("could not admit request %s", job.request_id)
+                    err = EngineFailure(f"the engine could not take this request: {err}")
                 job.error = err
                 job.done.set()
                 continue
