@@ -32,6 +32,14 @@ def _redis():
     return current_app.extensions["llmq_redis"]
 
 
+def _error_code(err: Exception) -> str:
+    if isinstance(err, InvalidRequest):
+        return "invalid_request"
+    if not isinstance(err, EngineFailure):
+        log.exception("request failed unexpectedly")
+    return "server_error"
+
+
 @shared_task(name="llmq.complete")
 def complete(request_id: str) -> str:
     """Run one API request (completion or chat) and store its result."""
@@ -49,8 +57,8 @@ def complete(request_id: str) -> str:
         kind, body, model, created = request.kind, request.body, request.model, int(request.created_at)
     try:
         response, job = execute(service, request_id, kind, body, model, created)
-    except (InvalidRequest, EngineFailure) as err:
-        code = "invalid_request" if isinstance(err, InvalidRequest) else "server_error"
+    except Exception as err:  # every failure ends the request, so no client waits on its stream forever
+        code = _error_code(err)
         event = service.publisher.error_event(code, str(err), time.time(), getattr(err, "param", None))
         service.publisher.publish_one(request_id, event, finished=True)
         with db.session() as session:
@@ -110,9 +118,9 @@ def run_batch_item(item_id: int) -> str:
         response, job = execute(service, request_id, kind, body, model)
         status = "cancelled" if job.cancelled else "completed"
         line = batch_lifecycle.success_line(custom_id, response) if status == "completed" else None
-    except (InvalidRequest, EngineFailure) as err:
+    except Exception as err:  # one line's failure is one error line, never a stuck batch
         status = "failed"
-        code = "invalid_request" if isinstance(err, InvalidRequest) else "server_error"
+        code = _error_code(err)
         with db.session() as session:
             line = batch_lifecycle.error_line(session.get(BatchItem, item_id), code, str(err))
     with db.session() as session:
