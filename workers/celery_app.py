@@ -37,12 +37,16 @@ def start_engine(sender=None, **_):
     from workers.service import EngineService, install
 
     model_path = settings.resolved_model_path()
-    engine = LLMEngine(EngineConfig(model=str(model_path), **settings.engine_options()))
-    engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
-    while engine.has_unfinished():
-        engine.step()
+
+    def load_and_warm() -> LLMEngine:  # runs on the engine's loop thread (see EngineService)
+        engine = LLMEngine(EngineConfig(model=str(model_path), **settings.engine_options()))
+        engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
+        while engine.has_unfinished():
+            engine.step()
+        return engine
+
     client = flask_app.extensions["llmq_redis"]
-    service = EngineService(engine, StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl))
+    service = EngineService(load_and_warm, StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl))
     service.start()
     install(service)
     name = getattr(sender, "hostname", None) or "worker"

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from workers.engine.config import InvalidRequest, SamplingParams
 from workers.engine.outputs import CompletionOutput, RequestDelta
@@ -68,8 +68,14 @@ class Job:
 
 
 class EngineService:
-    def __init__(self, engine: "LLMEngine", publisher: StreamPublisher):
-        self.engine = engine
+    """`engine_factory` builds (loads and warms) the engine on the loop thread itself: the thread that
+    first runs torch work owns an OpenMP thread team, and a second team in the process (one made by a
+    load on another thread) puts OpenMP into its yield-and-sleep mode on a small machine, which made
+    every step of the worker measurably slower than the same step offline."""
+
+    def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher):
+        self._engine_factory = engine_factory
+        self.engine: "LLMEngine | None" = None
         self.publisher = publisher
         self._intake: queue.Queue[Job] = queue.Queue()
         self._cancels: queue.Queue[str] = queue.Queue()
@@ -81,12 +87,18 @@ class EngineService:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llmq-engine-loop", daemon=True)
         self._stats_lock = threading.Lock()
-        self._stats = engine.stats()
+        self._stats: dict = {}
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
 
     # ---- called from task threads --------------------------------------------------------
 
     def start(self) -> None:
+        """Start the loop thread; returns once its engine is loaded and warm (raises if loading failed)."""
         self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
@@ -118,6 +130,14 @@ class EngineService:
     # ---- the loop thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+            self._stats = self.engine.stats()
+        except BaseException as err:  # reported by start() in the worker's main thread
+            self._load_error = err
+            return
+        finally:
+            self._ready.set()
         progress = _Progress()
         while not self._stopping.is_set():
             try:
