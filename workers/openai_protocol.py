@@ -35,39 +35,46 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise InvalidRequest("the request body must be a JSON object", None)
     if "prompt" not in body:
         raise InvalidRequest("you must provide a prompt", "prompt")
-    for field in _UNSUPPORTED:
-        if body.get(field) not in (None, 0, {}, ""):
-            raise InvalidRequest(f"{field} is not supported by llmq", field)
+    _refuse_unsupported(body)
     n = body.get("n", 1)
     if body.get("best_of") not in (None, n):
         raise InvalidRequest("best_of is supported only equal to n", "best_of")
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):
         raise InvalidRequest("logprobs must be an integer (how many alternatives) or null", "logprobs")
+    params = _sampling_params(body, _default(body, "max_tokens", 16), logprobs)
+    model, stream, include_usage = _envelope(body)
+    return CompletionRequest(model=model, prompts=_prompts(body["prompt"]), params=params, echo=_flag(body, "echo"),
+                             stream=stream, include_usage=include_usage, user=body.get("user"))
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for field in _UNSUPPORTED:
+        if body.get(field) not in (None, 0, {}, ""):
+            raise InvalidRequest(f"{field} is not supported by llmq", field)
+
+
+def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
+    """The sampling fields both endpoints share (validated by SamplingParams itself)."""
     params = SamplingParams(
-        n=n,
-        temperature=_default(body, "temperature", 1.0),
-        top_p=_default(body, "top_p", 1.0),
-        top_k=_default(body, "top_k", 0),
-        seed=body.get("seed"),
-        max_tokens=_default(body, "max_tokens", 16),
-        stop=body.get("stop"),
-        stop_token_ids=_default(body, "stop_token_ids", ()),
-        ignore_eos=_default(body, "ignore_eos", False),
-        logprobs=logprobs,
-    )
+        n=_default(body, "n", 1), temperature=_default(body, "temperature", 1.0), top_p=_default(body, "top_p", 1.0),
+        top_k=_default(body, "top_k", 0), seed=body.get("seed"), max_tokens=max_tokens, stop=body.get("stop"),
+        stop_token_ids=_default(body, "stop_token_ids", ()), ignore_eos=_default(body, "ignore_eos", False),
+        logprobs=logprobs)
     if len(params.stop) > 4:
         raise InvalidRequest("stop takes at most 4 sequences", "stop")
+    return params
+
+
+def _envelope(body: dict) -> tuple[str | None, bool, bool]:
+    """(model, stream, stream_options.include_usage), checked."""
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model must be a string", "model")
-    return CompletionRequest(
-        model=model, prompts=_prompts(body["prompt"]), params=params, echo=_flag(body, "echo"),
-        stream=_flag(body, "stream"), include_usage=bool(stream_options.get("include_usage")),
-        user=body.get("user"))
+    return model, _flag(body, "stream"), bool(stream_options.get("include_usage"))
 
 
 def _default(body: dict, field: str, default):
@@ -234,25 +241,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
         clean.append({"role": message["role"], "content": _message_text(message.get("content", ""), i)})
-    for field in _UNSUPPORTED:
-        if body.get(field) not in (None, 0, {}, ""):
-            raise InvalidRequest(f"{field} is not supported by llmq", field)
-    logprobs = _flag(body, "logprobs")
+    _refuse_unsupported(body)
     top_logprobs = _default(body, "top_logprobs", 0)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = SamplingParams(
-        n=_default(body, "n", 1), temperature=_default(body, "temperature", 1.0), top_p=_default(body, "top_p", 1.0),
-        top_k=_default(body, "top_k", 0), seed=body.get("seed"), max_tokens=16 if max_tokens is None else max_tokens,
-        stop=body.get("stop"), stop_token_ids=_default(body, "stop_token_ids", ()),
-        ignore_eos=_default(body, "ignore_eos", False), logprobs=top_logprobs if logprobs else None)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise InvalidRequest("stream_options must be an object", "stream_options")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model must be a string", "model")
-    return ChatRequest(model, clean, params, _flag(body, "stream"), bool(stream_options.get("include_usage")),
-                       body.get("user"))
+    params = _sampling_params(body, 16 if max_tokens is None else max_tokens,
+                              top_logprobs if _flag(body, "logprobs") else None)
+    model, stream, include_usage = _envelope(body)
+    return ChatRequest(model, clean, params, stream, include_usage, body.get("user"))
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], token_text) -> dict:
