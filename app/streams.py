@@ -41,14 +41,19 @@ def cancel_key(request_id: str) -> str:
     return f"llmq:cancel:{request_id}"
 
 
-def publish_events(client: redis.Redis, request_id: str, events: list[dict], maxlen: int,
-                   ttl: int | None = None) -> None:
-    """Append events to the request's stream and publish them, in one round trip."""
-    pipe = client.pipeline(transaction=False)
+def queue_events(pipe, request_id: str, events: list[dict], maxlen: int) -> None:
+    """Add the commands that write `events` (stream entry + publish, each) to a pipeline."""
     for event in events:
         payload = json.dumps(event)
         pipe.xadd(stream_key(request_id), {"data": payload}, maxlen=maxlen, approximate=True)
         pipe.publish(tokens_channel(request_id), payload)
+
+
+def publish_events(client: redis.Redis, request_id: str, events: list[dict], maxlen: int,
+                   ttl: int | None = None) -> None:
+    """Append events to the request's stream and publish them, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    queue_events(pipe, request_id, events, maxlen)
     if ttl is not None:
         pipe.expire(stream_key(request_id), ttl)
     pipe.execute()

@@ -1,11 +1,10 @@
 """Token deltas -> Redis (stream + pub/sub, see app/streams.py); results -> the database."""
 from __future__ import annotations
 
-import json
 
 import redis
 
-from app.streams import publish_events, stream_key, tokens_channel
+from app.streams import publish_events, queue_events, stream_key
 from workers.engine.outputs import RequestDelta
 
 
@@ -37,10 +36,7 @@ class StreamPublisher:
             return
         pipe = self.client.pipeline(transaction=False)
         for request_id, request_events in events.items():
-            for event in request_events:
-                payload = json.dumps(event)
-                pipe.xadd(stream_key(request_id), {"data": payload}, maxlen=self.maxlen, approximate=True)
-                pipe.publish(tokens_channel(request_id), payload)
+            queue_events(pipe, request_id, request_events, self.maxlen)
         for request_id in finished:
             pipe.expire(stream_key(request_id), self.ttl)
         pipe.execute()
