@@ -96,7 +96,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.forks_pending > self.max_num_seqs:
                 break
-            cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            cached = self.block_manager.find_cached_prefix(seq)  # waiting sequences hold no KV of their own
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, cached):
