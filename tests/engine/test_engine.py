@@ -774,3 +774,76 @@ def test_out_of_range_seed_is_refused_or_served_reproducibly(stories_dir, once_u
     second, again = drive(cached, [("Tom and Sam", params)])
     assert [second.output(again[0], i).token_ids for i in range(n)] == [first.output(ids[1], i).token_ids
                                                                        for i in range(n)]
+
+
+# ---- resuming an interrupted sample (a crashed or preempted worker's checkpoint) -------------------
+
+
+def interrupt_after(engine: LLMEngine, prompt, params: SamplingParams, steps: int) -> tuple[list[int], str]:
+    """Run a request for `steps` steps, then abort it: the tokens and text its deltas had carried."""
+    request_id = new_id("interrupted")
+    engine.add_request(request_id, prompt, params)
+    tokens, text = [], ""
+    for _ in range(steps):
+        for delta in engine.step():
+            assert not delta.finished, "the request ended before the interruption: pick fewer steps"
+            tokens += delta.token_ids
+            text += delta.text
+    engine.abort(request_id)
+    for delta in engine.step():  # the abort delta: what it held back never reached a client
+        assert delta.finish_reason == "abort"
+        tokens += delta.token_ids
+    assert not engine.has_unfinished()
+    return tokens, text
+
+
+@pytest.mark.parametrize("steps", [1, 2, 17, 40])
+def test_a_resumed_sample_goes_on_exactly_where_it_stopped(reference, cached, once_upon, steps):
+    """Interrupted on one engine, resumed on another from its tokens: the joined text and tokens equal
+    an undisturbed run's, and the resumed deltas carry only what came after the checkpoint."""
+    from workers.engine.config import ResumePoint
+
+    tokens, text = interrupt_after(cached, "Once upon a time", greedy(60), steps)
+    assert len(tokens) == steps
+    run, request_id = Run(), new_id("resumed")
+    run.seqs[request_id] = reference.add_request(request_id, "Once upon a time", greedy(60),
+                                                 resume=ResumePoint(tuple(tokens), len(text)))
+    step_until_done(reference, run)
+    resumed = run.output(request_id)
+    assert tokens + resumed.token_ids == once_upon.token_ids
+    assert text + resumed.text == once_upon.text
+    assert resumed.finish_reason == "length"
+
+
+def test_a_resumed_sample_emits_the_text_held_back_for_a_stop_string(reference, cached, once_upon):
+    """The interruption falls while a possible stop string's start is held back: the resumed run
+    emits that text (it was no stop string) or cuts it (it was), exactly as an undisturbed run does."""
+    from workers.engine.config import ResumePoint
+
+    text = once_upon.text
+    start = text.find(" ", len(text) // 3)
+    stop = text[start:start + 12]
+    never = "x" * 14  # never occurs: only holds text back
+    for stops, want in (([never], text), ([stop], text[:text.find(stop)])):
+        params = greedy(60, stop=stops)
+        tokens, streamed = interrupt_after(cached, "Once upon a time", params, 20)
+        decoded = cached.tokenizer.decode(tokens)
+        assert len(streamed) < len(decoded), "nothing was held back at the interruption"
+        request_id = new_id("resumed")
+        run = Run()
+        run.seqs[request_id] = reference.add_request(request_id, "Once upon a time", params,
+                                                     resume=ResumePoint(tuple(tokens), len(streamed)))
+        step_until_done(reference, run)
+        assert streamed + run.output(request_id).text == want
+
+
+def test_a_resume_point_needs_one_sample_and_room_to_go_on(cached, once_upon):
+    from workers.engine.config import ResumePoint
+
+    with pytest.raises(InvalidRequest) as err:
+        cached.add_request(new_id(), "Once upon a time", greedy(10, n=2), resume=ResumePoint((1, 2)))
+    assert err.value.param == "n"
+    with pytest.raises(InvalidRequest) as err:
+        cached.add_request(new_id(), "Once upon a time", greedy(3), resume=ResumePoint(tuple(once_upon.token_ids[:3])))
+    assert err.value.param == "max_tokens"
+    assert not cached.has_unfinished()

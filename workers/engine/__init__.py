@@ -3,9 +3,9 @@
 `from workers.engine import LLM, SamplingParams`. Heavy names (anything importing torch) load on
 first use, so torch-free callers (the web process) can import the config classes alone.
 """
-from workers.engine.config import EngineConfig, InvalidRequest, SamplingParams
+from workers.engine.config import EngineConfig, InvalidRequest, ResumePoint, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "InvalidRequest", "RequestOutput", "RequestDelta"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "InvalidRequest", "ResumePoint", "RequestOutput", "RequestDelta"]
 
 
 def __getattr__(name: str):

@@ -85,6 +85,17 @@ def _normalize_stop(stop: Any) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class ResumePoint:
+    """Where an interrupted sample stopped, so another engine can carry it on: the tokens it had
+    generated and how much of their text was already streamed (text that could start a stop string is
+    held back, so that can be less than the tokens' text). The engine recomputes the KV of prompt +
+    tokens in one prefill, exactly as after a preemption, and generates on from there."""
+
+    output_token_ids: tuple[int, ...]
+    num_emitted_chars: int = 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. `model` is a Hugging Face model folder.
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Sequence as SequenceOf
 
 from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig, InvalidRequest, SamplingParams
+from workers.engine.config import EngineConfig, InvalidRequest, ResumePoint, SamplingParams
 from workers.engine.model_runner import ModelRunner
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -67,10 +67,13 @@ class LLMEngine:
         raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0) -> Sequence:
+                    priority: int = 0, resume: ResumePoint | None = None) -> Sequence:
         """Queue a request. Raises InvalidRequest (naming the field) for a request that cannot run;
-        nothing else in the engine is affected."""
+        nothing else in the engine is affected. With `resume` (one sample, n == 1), the request goes on
+        from the tokens another engine had generated: its deltas carry only what comes after them."""
         params = params or SamplingParams()
+        if resume is not None and params.n != 1:
+            raise InvalidRequest("a resumed request is one sample: n must be 1", "n")
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
         if params.n > self.config.max_num_seqs:
@@ -86,7 +89,14 @@ class LLMEngine:
             raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                  f"this model's context of {self.max_model_len} tokens", "max_tokens")
         seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
-        seq = Sequence(request_id, token_ids, params, priority=priority, sampling_seed=seed)
+        generated = self.tokenize(list(resume.output_token_ids)) if resume and resume.output_token_ids else []
+        if len(generated) >= params.max_tokens:
+            raise InvalidRequest(f"the resumed sample already has {len(generated)} tokens, max_tokens is "
+                                 f"{params.max_tokens}", "max_tokens")
+        seq = Sequence(request_id, token_ids + generated, params, priority=priority, sampling_seed=seed,
+                       num_prompt_tokens=len(token_ids))
+        if resume is not None:
+            self.output_processor.resume(seq, resume.num_emitted_chars)
         self._requests[request_id] = [seq]
         self.scheduler.add(seq)
         return seq

@@ -39,6 +39,17 @@ class OutputProcessor:
             deltas.append((seq, self._advance(seq, state, token_logprob)))
         return deltas
 
+    def resume(self, seq: Sequence, num_emitted_chars: int) -> None:
+        """Rebuild the text state of a sequence that arrives with generated tokens (a resumed sample):
+        the same detokenizer fed the same tokens gives the same text, so the text another engine held
+        back (a possible stop string's start) is emitted by the next delta, and nothing twice."""
+        state = _SampleState(IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens))
+        for token_id in seq.output_token_ids:
+            state.text += state.detokenizer.add(token_id)
+        state.num_emitted_chars = min(num_emitted_chars, len(state.text))
+        state.num_emitted_tokens = seq.num_output_tokens
+        self._states[seq.seq_id] = state
+
     def aborted(self, seq: Sequence) -> RequestDelta:
         """The last delta of a sequence stopped from outside: whatever text it had withheld."""
         state = self._states.pop(seq.seq_id, None)
