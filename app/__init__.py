@@ -5,6 +5,8 @@ import logging
 
 import redis
 from celery import Celery, Task
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from flask import Flask
 
 from app.config import Settings, queue_name
@@ -23,7 +25,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         CELERY=_celery_config(settings, redis_url),
     )
     app.extensions["llmq_db"] = Database(settings.database_url)
-    app.extensions["llmq_redis"] = redis.Redis.from_url(redis_url, health_check_interval=30)
+    app.extensions["llmq_redis"] = redis_client(redis_url, settings.redis_retry_seconds)
     celery_init_app(app)
 
     from app.api import register_blueprints
@@ -32,6 +34,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     register_blueprints(app)
     register_error_handlers(app)
     return app
+
+
+def redis_client(url: str, retry_seconds: float) -> redis.Redis:
+    """A client that rides out a Redis restart: a call whose connection fails is retried (on a fresh
+    connection) for about `retry_seconds` before the error reaches the caller."""
+    backoff_cap = 1.0
+    retry = Retry(ExponentialBackoff(cap=backoff_cap, base=0.05), retries=max(1, int(retry_seconds / backoff_cap)))
+    return redis.Redis.from_url(url, health_check_interval=30, retry=retry,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def _celery_config(settings: Settings, redis_url: str) -> dict:
@@ -43,7 +54,11 @@ def _celery_config(settings: Settings, redis_url: str) -> dict:
         "task_acks_late": True,  # a task is acknowledged when done, so a crashed worker's work is redelivered
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,  # the engine batches; an idle worker elsewhere should get work
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        # Redis redelivers an unacknowledged task (its worker died) after visibility_timeout; consumers
+        # look for such tasks every unacked_restore_interval seconds (throttle 1: on every look).
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout,
+                                     "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 4)),
+                                     "unacked_restore_throttle": 1},
         "broker_connection_retry_on_startup": True,
         "task_default_queue": queue_name(settings.resolved_model_name()),
         "worker_hijack_root_logger": False,

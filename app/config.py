@@ -38,6 +38,10 @@ class Settings:
     stream_maxlen: int = 10_000  # entries kept per request stream
     stream_ttl: int = 24 * 3600  # seconds a finished request's stream stays replayable
     heartbeat_seconds: int = 2
+    lease_seconds: int = 30  # a dead worker's requests are taken over this long after its last heartbeat
+    shutdown_grace_seconds: int = 30  # a stopping worker (SIGTERM) hands its work back within this
+    sweep_seconds: int = 10  # how often a worker looks for batches past their completion window
+    redis_retry_seconds: int = 30  # how long a call waits for Redis to come back before it fails
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -62,6 +66,10 @@ class Settings:
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", 10_000),
             stream_ttl=_int("LLMQ_STREAM_TTL", 24 * 3600),
             heartbeat_seconds=_int("LLMQ_HEARTBEAT_SECONDS", 2),
+            lease_seconds=_int("LLMQ_LEASE_SECONDS", 30),
+            shutdown_grace_seconds=_int("LLMQ_SHUTDOWN_GRACE_SECONDS", 30),
+            sweep_seconds=_int("LLMQ_SWEEP_SECONDS", 10),
+            redis_retry_seconds=_int("LLMQ_REDIS_RETRY_SECONDS", 30),
             device=_str("LLMQ_DEVICE", "cpu"),
             max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", 128),
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),

@@ -33,7 +33,8 @@ def start_redis_server(data_dir: Path, port: int, daemonize: bool) -> subprocess
     """Start redis-server on 127.0.0.1:port. Daemonized servers outlive this process."""
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--save", "60 1000", "--appendonly", "no", "--protected-mode", "yes",
+            # The append-only file keeps the task queue and the token checkpoints across a restart.
+            "--save", "60 1000", "--appendonly", "yes", "--appendfsync", "everysec", "--protected-mode", "yes",
             "--logfile", str(data_dir / "redis.log"), "--pidfile", str(data_dir / "redis.pid"),
             "--daemonize", "yes" if daemonize else "no"]
     log.info("starting redis-server on 127.0.0.1:%d (data in %s)", port, data_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +51,8 @@ class LocalStack:
         self.num_workers = workers
         self.log_dir = log_dir
         self.redis_process: subprocess.Popen | None = None
-        self.worker_processes: list[subprocess.Popen] = []
+        self.redis_dir: Path | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
         self.web = web
         self.server = None
         self.web_process: subprocess.Popen | None = None
@@ -73,7 +75,8 @@ class LocalStack:
         if self.start_redis:
             port = free_port()
             home = Path(self.env.get("LLMQ_HOME") or Settings.from_env().home)
-            self.redis_process = start_redis_server(home / f"redis-{port}", port, daemonize=False)
+            self.redis_dir = home / f"redis-{port}"
+            self.redis_process = start_redis_server(self.redis_dir, port, daemonize=False)
             self.env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         self.settings = self._settings()
         self.redis_url = self.settings.resolved_redis_url()
@@ -90,7 +93,7 @@ class LocalStack:
             self.server.shutdown()
         if self.web_process is not None:
             self._terminate(self.web_process)
-        for process in self.worker_processes:
+        for process in self.workers.values():
             self._terminate(process)
         if self.redis_process is not None:
             self._terminate(self.redis_process)
@@ -99,13 +102,49 @@ class LocalStack:
 
     def start_worker(self, name: str) -> subprocess.Popen:
         """A real Celery worker process (threads pool, the engine loaded before it consumes)."""
-        out = open(self.log_dir / f"worker-{name}.log", "w") if self.log_dir else subprocess.DEVNULL
+        out = open(self.log_dir / f"worker-{name}.log", "a") if self.log_dir else subprocess.DEVNULL
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--loglevel", "INFO",
              "-n", f"{name}@%h", "--without-gossip", "--without-mingle"],
             cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        self.worker_processes.append(process)
+        self.workers[name] = process
         return process
+
+    # ---- faults (the reliability tests and the soak script use these) --------------------
+
+    def kill_worker(self, name: str, sig: int = signal.SIGKILL, timeout: float = 60.0) -> int:
+        """Send `sig` to a worker and wait for it to exit; returns its exit code."""
+        process = self.workers.pop(name)
+        process.send_signal(sig)
+        return process.wait(timeout)
+
+    def restart_redis(self, down_s: float = 1.0) -> None:
+        """Stop the stack's own Redis (SIGTERM: it writes its append-only file), wait, start it again
+        on the same port and data folder."""
+        if self.redis_process is None:
+            raise RuntimeError("restart_redis needs LocalStack(start_redis=True)")
+        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+        self._terminate(self.redis_process)
+        time.sleep(down_s)
+        self.redis_process = start_redis_server(self.redis_dir, port, daemonize=False)
+        wait_for_redis(self.redis_url)
+
+    def restart_web(self) -> None:
+        """Kill the gunicorn web server, master and workers at once (SIGKILL to its process group: no
+        goodbye to its clients, as when its machine dies), and start it again on the same port."""
+        if self.web_process is None:
+            raise RuntimeError("restart_web needs LocalStack(web='gunicorn')")
+        os.killpg(self.web_process.pid, signal.SIGKILL)
+        self.web_process.wait()
+        port = int(self.base_url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the old workers' listening socket is gone too
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                time.sleep(0.05)
+            except OSError:
+                break
+        self._start_gunicorn(port)
 
     def wait_for_workers(self, count: int, timeout: float = 180.0) -> list[dict]:
         """Until `count` workers send heartbeats (the engine is loaded and warm by then)."""
@@ -116,7 +155,7 @@ class LocalStack:
             fresh = [b for b in fresh if time.time() - b["at"] < 10]
             if len(fresh) >= count:
                 return fresh
-            dead = [p for p in self.worker_processes if p.poll() is not None]
+            dead = [p for p in self.workers.values() if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"a worker exited with code {dead[0].returncode} while starting"
                                    + (f"; see {self.log_dir}" if self.log_dir else ""))
@@ -148,13 +187,13 @@ class LocalStack:
         threading.Thread(target=self.server.serve_forever, daemon=True, name="llmq-web").start()
         self.base_url = f"http://127.0.0.1:{port}"
 
-    def _start_gunicorn(self) -> None:
-        port = free_port()
-        out = open(self.log_dir / "web.log", "w") if self.log_dir else subprocess.DEVNULL
+    def _start_gunicorn(self, port: int | None = None) -> None:
+        port = port or free_port()
+        out = open(self.log_dir / "web.log", "a") if self.log_dir else subprocess.DEVNULL
         self.web_process = subprocess.Popen(
             [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1", "--threads", "128",
              "--bind", f"127.0.0.1:{port}", "app:create_app()"],
-            cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

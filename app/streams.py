@@ -2,13 +2,17 @@
 (who write) and anyone who reads: the web process, or your own plain Redis client.
 
 Per request id:
-  llmq:stream:{id}   a Redis Stream, one entry per event, field "data" = the event's JSON;
-                     capped (MAXLEN ~) and expiring a while after the request ends; replayable
+  llmq:stream:{id}   a Redis Stream, one entry per event, field "data" = the event's JSON, entry id
+                     "0-<n>" for the request's n-th event (so a retried write is never a second
+                     entry); capped (MAXLEN ~) and expiring a while after the request ends; replayable
   llmq:tokens:{id}   a pub/sub channel; every event is also PUBLISHed here as the same JSON
   llmq:cancel:{id}   set when the request is cancelled; a task that sees it never starts
+  llmq:lease:{id}    the name of the worker running the request, expiring unless renewed: a
+                     redelivered task runs the request only once this is free
 Shared:
   llmq:cancel        pub/sub channel of cancelled request ids; workers abort them at the next step
   llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks, at)
+  llmq:sweep         a short lock: the worker holding it expires batches past their completion window
 
 Events (JSON):
   {"type": "delta", "index": i, "text": "...", "token_ids": [...], "logprobs": [...] | null,
@@ -16,17 +20,23 @@ Events (JSON):
   {"type": "done", "usage": {...}, "t": ...}          the request finished (all choices)
   {"type": "error", "error": {"code", "message"}, "t": ...}
 `index` is the choice index: prompt number * n + sample number.
+
+The stream is also the request's checkpoint: a worker that takes over an interrupted request reads
+it back (`read_progress`) and goes on from the tokens it holds, appending to the same stream, so a
+reader sees one unbroken sequence of events, nothing twice.
 """
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import redis
 
 CANCEL_CHANNEL = "llmq:cancel"
 WORKERS_KEY = "llmq:workers"
+SWEEP_LOCK_KEY = "llmq:sweep"  # held by the worker sweeping for expired batches
 
 
 def stream_key(request_id: str) -> str:
@@ -41,22 +51,52 @@ def cancel_key(request_id: str) -> str:
     return f"llmq:cancel:{request_id}"
 
 
-def queue_events(pipe, request_id: str, events: list[dict], maxlen: int) -> None:
-    """Add the commands that write `events` (stream entry + publish, each) to a pipeline."""
-    for event in events:
-        payload = json.dumps(event)
-        pipe.xadd(stream_key(request_id), {"data": payload}, maxlen=maxlen, approximate=True)
-        pipe.publish(tokens_channel(request_id), payload)
+def lease_key(request_id: str) -> str:
+    return f"llmq:lease:{request_id}"
+
+
+# Appends events under ids "0-<n>", n = the event's number in the request (1, 2, ...), skipping any
+# number the stream already holds. So writing is idempotent: a call retried after a dropped
+# connection (Redis restarted after running it, before answering) writes nothing twice, and neither
+# does a worker that resumes a request. n = 0 for the first event means "after the last one".
+_APPEND_EVENTS = """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local last = 0
+if #top > 0 then last = tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0 end
+local first = tonumber(ARGV[3])
+if first == 0 then first = last + 1 end
+for i = 4, #ARGV do
+  local n = first + i - 4
+  if n > last then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '0-' .. n, 'data', ARGV[i])
+    redis.call('PUBLISH', KEYS[2], ARGV[i])
+  end
+end
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return first + #ARGV - 4
+"""
+
+
+def queue_events(pipe, request_id: str, events: list[dict], maxlen: int, first_number: int = 0,
+                 ttl: int | None = None) -> None:
+    """Add to a pipeline the (atomic, idempotent) write of `events` as numbers first_number, first_number
+    + 1, ... of the request (0: after its last event): a stream entry and a publish each."""
+    # EVAL, not EVALSHA: a Redis restarted under a retried call has lost its script cache.
+    pipe.eval(_APPEND_EVENTS, 2, stream_key(request_id), tokens_channel(request_id),
+              maxlen, ttl or 0, first_number, *(json.dumps(event) for event in events))
 
 
 def publish_events(client: redis.Redis, request_id: str, events: list[dict], maxlen: int,
                    ttl: int | None = None) -> None:
-    """Append events to the request's stream and publish them, in one round trip."""
+    """Append events after the request's last one and publish them, in one round trip."""
     pipe = client.pipeline(transaction=False)
-    queue_events(pipe, request_id, events, maxlen)
-    if ttl is not None:
-        pipe.expire(stream_key(request_id), ttl)
+    queue_events(pipe, request_id, events, maxlen, ttl=ttl)
     pipe.execute()
+
+
+def event_number(entry_id: str) -> int:
+    """The number of the event a stream entry id ("0-<n>") stands for."""
+    return int(entry_id.split("-")[1])
 
 
 def request_cancel(client: redis.Redis, request_id: str, ttl: int) -> None:
@@ -92,3 +132,45 @@ def read_events(client: redis.Redis, request_id: str, last_id: str = "0-0", bloc
             yield last_id, event
             if event["type"] in ("done", "error"):
                 return
+
+
+@dataclass
+class ChoiceProgress:
+    """One choice as far as its stream goes: the joined deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamProgress:
+    """What a request's stream says was done: each choice so far, and how the request ended, if it did."""
+
+    choices: dict[int, ChoiceProgress] = field(default_factory=dict)
+    ended_with: dict | None = None  # the done or error event
+    num_events: int = 0  # the number of the last event: the next one written is num_events + 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+
+def read_progress(client: redis.Redis, request_id: str) -> StreamProgress:
+    """Join every event of the request's stream so far, per choice (empty for a request not started)."""
+    progress = StreamProgress()
+    for entry_id, fields in client.xrange(stream_key(request_id)):
+        progress.num_events = event_number(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+        event = json.loads(fields.get(b"data") or fields.get("data"))
+        if event["type"] != "delta":
+            progress.ended_with = event
+            continue
+        choice = progress.choices.setdefault(event["index"], ChoiceProgress())
+        choice.text += event["text"]
+        choice.token_ids += event["token_ids"]
+        if event.get("logprobs") is not None:
+            choice.logprobs = (choice.logprobs or []) + event["logprobs"]
+        if event.get("finish_reason") is not None:
+            choice.finish_reason = event["finish_reason"]
+    return progress

@@ -1,5 +1,6 @@
 """A batch's life in the database: validating -> in_progress -> finalizing -> completed (or failed,
-cancelling -> cancelled). Plain SQL bookkeeping, no torch: the web process uses it too.
+cancelling -> cancelled, or expired once its completion window has passed). Plain SQL bookkeeping,
+no torch: the web process uses it too.
 
 Every line becomes one BatchItem. An item's result (its output or error line) is written once, in the
 same transaction that moves the batch's counts, so a redelivered task never counts a line twice and
@@ -74,8 +75,10 @@ def expand_input(session: Session, batch: Batch, served_model: str, max_lines: i
 
 
 def claim_item(session: Session, item_id: int, request_id: str) -> tuple[BatchItem, Batch] | None:
-    """Mark an item running under `request_id`; None if it is already finished (a redelivery after
-    the result was written) or its batch is no longer running."""
+    """Mark an item running; None if it is already finished (a redelivery after the result was
+    written) or its batch is no longer running. The item keeps the request id of its first claim (a
+    conditional update, so two deliveries at once agree on it): a redelivered line resumes that
+    request's checkpoint instead of starting over."""
     item = session.get(BatchItem, item_id)
     if item is None or item.status in TERMINAL_ITEM_STATES:
         return None
@@ -83,7 +86,10 @@ def claim_item(session: Session, item_id: int, request_id: str) -> tuple[BatchIt
     if batch.status != "in_progress":
         record_result(session, item_id, "cancelled", None)
         return None
-    item.status, item.request_id = "running", request_id
+    session.execute(update(BatchItem).where(BatchItem.id == item_id, BatchItem.request_id.is_(None))
+                    .values(request_id=request_id))
+    session.refresh(item)
+    item.status = "running"
     return item, batch
 
 
@@ -130,13 +136,7 @@ def finalize_if_done(session: Session, batch_id: str) -> str | None:
     batch = session.get(Batch, batch_id)
     cancelling = batch.status == "cancelling"
     batch.status = "finalizing" if not cancelling else batch.status
-    items = session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id).order_by(BatchItem.line)).all()
-    outputs = [i.result for i in items if i.status == "completed"]
-    errors = [i.result for i in items if i.status == "failed"]
-    if outputs:
-        batch.output_file_id = _write_file(session, f"{batch_id}_output.jsonl", outputs)
-    if errors:
-        batch.error_file_id = _write_file(session, f"{batch_id}_errors.jsonl", errors)
+    _write_result_files(session, batch)
     if cancelling:
         batch.status, batch.cancelled_at = "cancelled", now
     else:
@@ -145,8 +145,48 @@ def finalize_if_done(session: Session, batch_id: str) -> str | None:
     return batch.status
 
 
+EXPIRED_MESSAGE = "This request could not be executed before the batch's completion window expired."
+
+
+def expire_overdue(session: Session, now: float) -> list[tuple[str, list[str]]]:
+    """Batches still validating or in progress at their expires_at become expired: every line not yet
+    done becomes a `batch_expired` error line, and the output file holds the lines already done.
+    Returns (batch id, request ids of its lines still running) for each, so the caller can cancel them;
+    a result such a line writes later is refused (its item is already ended)."""
+    live = ("validating", "in_progress")
+    overdue = session.scalars(select(Batch.id).where(Batch.status.in_(live), Batch.expires_at.is_not(None),
+                                                     Batch.expires_at <= now)).all()
+    expired = []
+    for batch_id in overdue:
+        if not session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(live))
+                               .values(status="expired", expired_at=now)).rowcount:
+            continue  # it finished (or was cancelled) meanwhile
+        unfinished = session.scalars(select(BatchItem).where(
+            BatchItem.batch_id == batch_id, BatchItem.status.not_in(TERMINAL_ITEM_STATES))).all()
+        running = [item.request_id for item in unfinished if item.status == "running" and item.request_id]
+        for item in unfinished:
+            record_result(session, item.id, "failed",
+                          batch_error_line(item.custom_id, "batch_expired", EXPIRED_MESSAGE, item.line))
+        batch = session.get(Batch, batch_id, populate_existing=True)
+        _write_result_files(session, batch)
+        log.info("batch %s expired: %d lines done, %d not", batch_id, batch.completed, len(unfinished))
+        expired.append((batch_id, running))
+    return expired
+
+
 def request_counts(batch: Batch) -> dict:
     return {"total": batch.total, "completed": batch.completed, "failed": batch.failed}
+
+
+def _write_result_files(session: Session, batch: Batch) -> None:
+    """The output file (completed lines) and the error file (failed lines), in input order."""
+    items = session.scalars(select(BatchItem).where(BatchItem.batch_id == batch.id).order_by(BatchItem.line)).all()
+    outputs = [i.result for i in items if i.status == "completed"]
+    errors = [i.result for i in items if i.status == "failed"]
+    if outputs:
+        batch.output_file_id = _write_file(session, f"{batch.id}_output.jsonl", outputs)
+    if errors:
+        batch.error_file_id = _write_file(session, f"{batch.id}_errors.jsonl", errors)
 
 
 def _write_file(session: Session, filename: str, lines: list[str]) -> str:

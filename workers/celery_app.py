@@ -4,19 +4,26 @@ start hooks: the engine is loaded and warmed when the worker starts, before it c
 The threads pool runs tasks in this process, so every task thread shares the one EngineService;
 `worker_init` fires in this process before the consumer starts (`worker_process_init` would not:
 it belongs to the prefork pool).
+
+A SIGTERM (Celery's warm shutdown; what a spot preemption notice becomes) stops the consumer, and
+`worker_shutting_down` hands every request in flight back at once: their tokens are checkpointed in
+their streams, so another worker resumes them after one prefill, instead of this one spending the
+notice period finishing them while the rest wait. If the handing back itself hangs (a stuck device),
+the process exits when the grace period ends, and the broker redelivers its tasks.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
 import redis
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 
 from app import create_app
-from app.streams import CANCEL_CHANNEL, WORKERS_KEY
+from app.streams import CANCEL_CHANNEL, SWEEP_LOCK_KEY, WORKERS_KEY, request_cancel
 
 flask_app = create_app()
 celery_app = flask_app.extensions["celery"]
@@ -45,14 +52,41 @@ def start_engine(sender=None, **_):
             engine.step()
         return engine
 
+    from workers.leases import Leases
+
     client = flask_app.extensions["llmq_redis"]
     service = EngineService(load_and_warm, StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl))
     service.start()
     install(service)
     name = getattr(sender, "hostname", None) or "worker"
-    threading.Thread(target=_heartbeats, args=(client, service, name), daemon=True, name="llmq-heartbeat").start()
+    leases = flask_app.extensions["llmq_leases"] = Leases(client, name, settings.lease_seconds)
+    threading.Thread(target=_heartbeats, args=(client, service, name, leases), daemon=True,
+                     name="llmq-heartbeat").start()
+    threading.Thread(target=_sweep_expired_batches, args=(client,), daemon=True, name="llmq-sweeper").start()
     threading.Thread(target=_listen_for_cancels, args=(client, service), daemon=True, name="llmq-cancels").start()
     log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), model_path)
+
+
+@worker_shutting_down.connect
+def hand_back_work(sig=None, **_):
+    """SIGTERM or SIGINT: hand every request in flight back to the queue, within the grace period."""
+    from workers.service import current_service
+
+    log.warning("worker stopping (%s): handing its requests back to the queue", sig)
+    try:
+        current_service().hand_back()
+    except RuntimeError:  # stopped before the engine was up
+        return
+    grace = settings.shutdown_grace_seconds
+    watchdog = threading.Timer(grace, _exit_after_grace, args=(grace,))
+    watchdog.daemon = True
+    watchdog.start()
+
+
+def _exit_after_grace(grace: float) -> None:
+    log.error("the worker did not stop within its %d s grace period; exiting (the broker redelivers "
+              "its unfinished tasks)", grace)
+    os._exit(1)
 
 
 @worker_shutdown.connect
@@ -66,11 +100,13 @@ def stop_engine(**_):
         pass
 
 
-def _heartbeats(client: redis.Redis, service, name: str) -> None:
+def _heartbeats(client: redis.Redis, service, name: str, leases) -> None:
     while not _stop.wait(settings.heartbeat_seconds):
         beat = {"model": settings.resolved_model_name(), "at": time.time(), **service.stats()}
         try:
             client.hset(WORKERS_KEY, name, json.dumps(beat))
+            for request_id in leases.renew_all():
+                service.hand_back(request_id)
         except redis.RedisError as err:
             log.warning("heartbeat failed: %s", err)
     try:
@@ -92,3 +128,22 @@ def _listen_for_cancels(client: redis.Redis, service) -> None:
         except redis.RedisError as err:  # Redis restarted: subscribe again
             log.warning("cancel listener lost Redis (%s); reconnecting", err)
             time.sleep(1)
+
+
+def _sweep_expired_batches(client: redis.Redis) -> None:
+    """Every sweep_seconds, one worker (whoever takes the lock) expires the batches past their
+    completion window and cancels their lines still running."""
+    from workers import batch_lifecycle
+
+    db = flask_app.extensions["llmq_db"]
+    while not _stop.wait(settings.sweep_seconds):
+        try:
+            if not client.set(SWEEP_LOCK_KEY, "1", nx=True, ex=max(1, settings.sweep_seconds)):
+                continue
+            with db.session() as session:
+                expired = batch_lifecycle.expire_overdue(session, time.time())
+            for batch_id, running_request_ids in expired:
+                for request_id in running_request_ids:
+                    request_cancel(client, request_id, settings.stream_ttl)
+        except Exception:  # the next sweep tries again
+            log.exception("batch expiry sweep failed")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.streams import StreamProgress
 from workers.engine.config import InvalidRequest, SamplingParams
 from workers.model.tokenizer import Tokenizer, TokenizerError
 from workers.openai_protocol import (chat_choice, completion_choice, completion_object,
@@ -45,9 +46,10 @@ def response_body(kind: str, completion_id: str, model: str, job: Job, prepared:
 
 
 def execute(service: EngineService, request_id: str, kind: str, body: dict, model: str,
-            created: int | None = None) -> tuple[dict, Job]:
-    """Run a request to the end (publishing its tokens as they come). Raises InvalidRequest."""
+            created: int | None = None, resume_from: StreamProgress | None = None) -> tuple[dict, Job]:
+    """Run a request to the end (publishing its tokens as they come), going on from `resume_from` if
+    an earlier run was interrupted. Raises InvalidRequest, or HandedBack if the worker is stopping."""
     tokenizer = service.engine.tokenizer
     prepared = prepare(kind, body, tokenizer)
-    job = service.run(request_id, prepared.prompts, prepared.params)
+    job = service.run(request_id, prepared.prompts, prepared.params, resume_from=resume_from)
     return response_body(kind, request_id, model, job, prepared, tokenizer, created), job

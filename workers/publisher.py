@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from app.streams import publish_events, queue_events, stream_key
+from app.streams import publish_events, queue_events
 from workers.engine.outputs import RequestDelta
 
 
@@ -30,16 +30,19 @@ class StreamPublisher:
     def error_event(code: str, message: str, t: float, param: str | None = None) -> dict:
         return {"type": "error", "error": {"code": code, "message": message, "param": param}, "t": t}
 
-    def publish(self, events: dict[str, list[dict]], finished: list[str] = ()) -> None:
-        """All of one step's events, every request, in one round trip."""
+    def publish(self, events: dict[str, tuple[int, list[dict]]], finished: list[str] = ()) -> None:
+        """All of one step's events, every request, in one round trip: request id -> (the number of
+        its first event here, its events). Each request's events are written atomically, and a
+        retried call (after a dropped connection) writes nothing twice: the streams are the requests'
+        checkpoints."""
         if not events:
             return
         pipe = self.client.pipeline(transaction=False)
-        for request_id, request_events in events.items():
-            queue_events(pipe, request_id, request_events, self.maxlen)
-        for request_id in finished:
-            pipe.expire(stream_key(request_id), self.ttl)
+        for request_id, (first_number, request_events) in events.items():
+            queue_events(pipe, request_id, request_events, self.maxlen, first_number,
+                         self.ttl if request_id in finished else None)
         pipe.execute()
 
     def publish_one(self, request_id: str, event: dict, finished: bool = False) -> None:
+        """One event after the request's last (the error that ends a request outside the engine loop)."""
         publish_events(self.client, request_id, [event], self.maxlen, self.ttl if finished else None)

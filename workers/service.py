@@ -4,6 +4,11 @@ Celery task threads call `run()`: it hands the request to the loop and waits. Th
 requests, aborts cancelled ones, runs `engine.step()`, and publishes each step's token deltas to
 Redis in one round trip, so tokens reach streaming clients as they are made. A cancel published on
 `llmq:cancel` aborts the request at the next step and frees its KV blocks.
+
+Those published events are also each request's checkpoint: `run(..., resume_from=...)` takes the
+progress read back from a request's stream and goes on from it (a worker died or handed the request
+back), and `hand_back()` ends every request in flight with HandedBack, so a stopping worker returns
+its work to the queue at once instead of finishing it.
 """
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
-from workers.engine.config import InvalidRequest, SamplingParams
-from workers.engine.outputs import CompletionOutput, RequestDelta
+from app.streams import ChoiceProgress, StreamProgress
+from workers.engine.config import InvalidRequest, ResumePoint, SamplingParams
+from workers.engine.outputs import CompletionOutput, RequestDelta, TokenLogprob
 from workers.publisher import StreamPublisher
 
 if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
@@ -33,22 +39,27 @@ class EngineFailure(RuntimeError):
     """The engine broke while running a request (a bug or a device fault), not the request's fault."""
 
 
-@dataclass
+class HandedBack(RuntimeError):
+    """This worker is stopping: the request goes back to the queue, to be resumed from its checkpoint."""
+
+
+@dataclass(eq=False)  # identity: jobs key the per-step event map
 class Job:
     """One API request (possibly several prompts, each with n samples) in the engine."""
 
     request_id: str
     prompts: list
     params: SamplingParams
+    resume_from: StreamProgress | None = None  # what an earlier run of this request already streamed
     outputs: list[list[CompletionOutput]] = field(default_factory=list)  # [prompt][sample]
     prompt_token_ids: list[list[int]] = field(default_factory=list)
-    error: Exception | None = None  # InvalidRequest (refused) or EngineFailure
+    # Engine request id -> (prompt number, its first sample): "#k" runs prompt k's n samples together;
+    # a resumed sample runs alone as "#k.s".
+    routes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    num_events: int = 0  # events written to the request's stream so far (by this run and any before)
+    error: Exception | None = None  # InvalidRequest (refused), EngineFailure or HandedBack
     first_token_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def engine_ids(self) -> list[str]:
-        return [f"{self.request_id}#{k}" for k in range(len(self.prompts))]
 
     @property
     def finished(self) -> bool:
@@ -79,11 +90,13 @@ class EngineService:
         self.publisher = publisher
         self._intake: queue.Queue[Job] = queue.Queue()
         self._cancels: queue.Queue[str] = queue.Queue()
+        self._hand_backs: queue.Queue[str] = queue.Queue()
         self._jobs: dict[str, Job] = {}  # by API request id; touched by the loop thread only
         self._by_engine_id: dict[str, Job] = {}
         # Cancels that arrived before their job was admitted (a task between its cancel check and run()).
         self._early_cancels: dict[str, float] = {}
         self._stopping = threading.Event()
+        self._handing_back = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llmq-engine-loop", daemon=True)
         self._stats_lock = threading.Lock()
@@ -105,10 +118,13 @@ class EngineService:
         self._wake.set()
         self._thread.join(timeout)
 
-    def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None) -> Job:
-        """Generate, publishing tokens as they come; returns when every sample has finished. Raises
-        InvalidRequest if the engine refuses the request (e.g. longer than the context)."""
-        job = Job(request_id, prompts, params)
+    def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None,
+            resume_from: StreamProgress | None = None) -> Job:
+        """Generate, publishing tokens as they come; returns when every sample has finished. With
+        `resume_from`, the choices go on from (and their outputs start with) what it holds. Raises
+        InvalidRequest if the engine refuses the request (e.g. longer than the context), HandedBack if
+        this worker is stopping."""
+        job = Job(request_id, prompts, params, resume_from)
         self._intake.put(job)
         self._wake.set()
         if not job.done.wait(timeout):
@@ -117,6 +133,16 @@ class EngineService:
         if job.error is not None:
             raise job.error
         return job
+
+    def hand_back(self, request_id: str | None = None) -> None:
+        """Stop taking work: every request in flight, and any that arrives, ends with HandedBack at
+        the loop's next turn (their checkpoints are what the last step published). With a request id:
+        only that request (another worker has taken it over)."""
+        if request_id is None:
+            self._handing_back.set()
+        else:
+            self._hand_backs.put(request_id)
+        self._wake.set()
 
     def cancel(self, request_id: str) -> None:
         """Abort at the next step (thread-safe; unknown or finished ids are ignored)."""
@@ -142,6 +168,9 @@ class EngineService:
         while not self._stopping.is_set():
             try:
                 self._admit()
+                if self._handing_back.is_set():
+                    self._end_all(HandedBack("this worker is stopping; the request goes back to the queue"))
+                self._hand_back_taken_over()
                 self._abort()
                 if not self.engine.has_unfinished():
                     progress.report(self.engine.stats())
@@ -157,7 +186,7 @@ class EngineService:
                 progress.report(self._stats)
             except Exception:  # one bad step must not take the worker down: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
-                self._fail_all()
+                self._end_all(EngineFailure("the engine failed while running this request; see the worker log"))
 
     def _admit(self) -> None:
         while True:
@@ -166,13 +195,9 @@ class EngineService:
             except queue.Empty:
                 return
             try:
-                for engine_id, prompt in zip(job.engine_ids, job.prompts):
-                    seq = self.engine.add_request(engine_id, prompt, job.params)
-                    job.prompt_token_ids.append(seq.prompt_token_ids)
-                    job.outputs.append([CompletionOutput(i) for i in range(job.params.n)])
-                    self._by_engine_id[engine_id] = job
+                self._start(job)
             except Exception as err:  # refused (InvalidRequest) or broken: either way this job ends here
-                for engine_id in job.engine_ids:
+                for engine_id in job.routes:
                     self.engine.abort(engine_id)
                     self._by_engine_id.pop(engine_id, None)
                 if not isinstance(err, InvalidRequest):
@@ -181,9 +206,45 @@ class EngineService:
                 job.error = err
                 job.done.set()
                 continue
+            if job.finished:  # resumed with every choice already done: only the ending was missing
+                if job.resume_from.ended_with is None:
+                    done = self.publisher.done_event(job.prompt_tokens, job.completion_tokens, time.time())
+                    self.publisher.publish({job.request_id: (job.num_events + 1, [done])}, finished=[job.request_id])
+                job.done.set()
+                continue
             self._jobs[job.request_id] = job
             if self._early_cancels.pop(job.request_id, None) is not None:
                 self._cancels.put(job.request_id)
+
+    def _start(self, job: Job) -> None:
+        """Add a job's prompts to the engine: fresh prompts with their n samples together, choices of
+        an interrupted run each on its own, resumed from the tokens it had streamed."""
+        n = job.params.n
+        streamed = job.resume_from.choices if job.resume_from else {}
+        if job.resume_from is not None:
+            job.num_events = job.resume_from.num_events
+        if streamed:
+            log.info("resuming %s from its checkpoint: %d tokens already generated", job.request_id,
+                     job.resume_from.num_tokens)
+        for k, prompt in enumerate(job.prompts):
+            before = [streamed.get(k * n + s) for s in range(n)]
+            seq = None
+            if not any(c is not None and (c.token_ids or c.finish_reason) for c in before):
+                engine_id = f"{job.request_id}#{k}"
+                seq = self.engine.add_request(engine_id, prompt, job.params)
+                job.routes[engine_id] = (k, 0)
+                job.outputs.append([CompletionOutput(i) for i in range(n)])
+            else:
+                job.outputs.append([_output_so_far(c, s) for s, c in enumerate(before)])
+                for s, output in enumerate(job.outputs[k]):
+                    if output.finish_reason is None:
+                        engine_id = f"{job.request_id}#{k}.{s}"
+                        seq = self.engine.add_request(engine_id, prompt, _one_sample(job.params, s),
+                                                      resume=ResumePoint(tuple(output.token_ids), len(output.text)))
+                        job.routes[engine_id] = (k, s)
+            job.prompt_token_ids.append(seq.prompt_token_ids if seq else self.engine.tokenize(prompt))
+        for engine_id in job.routes:
+            self._by_engine_id[engine_id] = job
 
     def _abort(self) -> None:
         now = time.monotonic()
@@ -196,46 +257,82 @@ class EngineService:
             if job is None:
                 self._early_cancels[request_id] = now
                 continue
-            for engine_id in job.engine_ids:
+            for engine_id in job.routes:
                 self.engine.abort(engine_id)  # the abort deltas come out of the next step
         for request_id, at in list(self._early_cancels.items()):
             if now - at > _EARLY_CANCEL_MEMORY_S:
                 del self._early_cancels[request_id]
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
-        events: dict[str, list[dict]] = {}
+        events: dict[Job, list[dict]] = {}
         finished_jobs = []
         now = time.time()
         for delta in deltas:
             job = self._by_engine_id.get(delta.request_id)
             if job is None:
                 continue
-            prompt_number = job.engine_ids.index(delta.request_id)
-            job.outputs[prompt_number][delta.index].add(delta)
+            prompt_number, first_sample = job.routes[delta.request_id]
+            sample = first_sample + delta.index
+            job.outputs[prompt_number][sample].add(delta)
             if job.first_token_at is None and delta.token_ids:
                 job.first_token_at = now
-            events.setdefault(job.request_id, []).append(
-                self.publisher.delta_event(prompt_number * job.params.n + delta.index, delta, now))
+            events.setdefault(job, []).append(
+                self.publisher.delta_event(prompt_number * job.params.n + sample, delta, now))
             if delta.finished and job.finished:
                 finished_jobs.append(job)
         for job in finished_jobs:
-            events.setdefault(job.request_id, []).append(
-                self.publisher.done_event(job.prompt_tokens, job.completion_tokens, now))
-        self.publisher.publish(events, finished=[job.request_id for job in finished_jobs])
+            events.setdefault(job, []).append(self.publisher.done_event(job.prompt_tokens, job.completion_tokens, now))
+        numbered = {}
+        for job, job_events in events.items():
+            numbered[job.request_id] = (job.num_events + 1, job_events)
+            job.num_events += len(job_events)
+        self.publisher.publish(numbered, finished=[job.request_id for job in finished_jobs])
         for job in finished_jobs:
             self._jobs.pop(job.request_id, None)
-            for engine_id in job.engine_ids:
+            for engine_id in job.routes:
                 self._by_engine_id.pop(engine_id, None)
             job.done.set()
 
-    def _fail_all(self) -> None:
+    def _hand_back_taken_over(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(self._hand_backs.get_nowait())
+            except queue.Empty:
+                return
+            if job is not None:
+                self._end(job, HandedBack("another worker has taken this request over"))
+
+    def _end(self, job: Job, error: Exception) -> None:
+        for engine_id in job.routes:
+            self.engine.abort(engine_id)
+            self._by_engine_id.pop(engine_id, None)
+        self._jobs.pop(job.request_id, None)
+        job.error = error
+        job.done.set()
+
+    def _end_all(self, error: Exception) -> None:
+        """End every job in flight with `error`; their engine requests are aborted, and the abort deltas
+        the next step hands out belong to no job any more, so nothing more is published for them."""
+        if self._jobs:
+            log.warning("ending %d request(s) in flight: %s", len(self._jobs), error)
         for job in list(self._jobs.values()):
-            for engine_id in job.engine_ids:
-                self.engine.abort(engine_id)
-                self._by_engine_id.pop(engine_id, None)
-            job.error = EngineFailure("the engine failed while running this request; see the worker log")
-            job.done.set()
-        self._jobs.clear()
+            self._end(job, error)
+
+
+def _output_so_far(choice: ChoiceProgress | None, index: int) -> CompletionOutput:
+    if choice is None:
+        return CompletionOutput(index)
+    logprobs = None
+    if choice.logprobs is not None:
+        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], tuple(tuple(pair) for pair in lp["top"]))
+                    for lp in choice.logprobs]
+    return CompletionOutput(index, choice.text, list(choice.token_ids), logprobs, choice.finish_reason)
+
+
+def _one_sample(params: SamplingParams, sample: int) -> SamplingParams:
+    """Sample `sample` of n as a request of its own (seeded as the engine seeds a request's samples)."""
+    seed = params.seed + sample if params.seed is not None and params.seed + sample < 1 << 64 else params.seed
+    return replace(params, n=1, seed=seed)
 
 
 class _Progress:

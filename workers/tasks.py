@@ -1,7 +1,10 @@
 """Celery tasks: thin, they take ids and call the engine service and the batch bookkeeping.
 
 Every task is safe to run twice (late acknowledgement redelivers a crashed worker's tasks): the
-database says what is already done.
+database says what is already done, the request's lease (workers/leases.py) keeps a second delivery
+from running it while the first still does, and the request's stream is its checkpoint, so a
+request taken over from a dead or stopping worker goes on from the tokens it had already streamed.
+A worker that is stopping hands its requests back: the task is rejected and requeued.
 """
 from __future__ import annotations
 
@@ -9,15 +12,17 @@ import logging
 import time
 
 from celery import shared_task
+from celery.exceptions import Reject
 from flask import current_app
 
 from app.config import queue_name
 from app.models import Batch, BatchItem, Request, new_id
-from app.streams import is_cancelled
+from app.streams import StreamProgress, is_cancelled, read_progress
 from workers import batch_lifecycle
 from workers.completion_runner import execute
 from workers.engine.config import InvalidRequest
-from workers.service import EngineFailure, current_service
+from workers.leases import Leases
+from workers.service import EngineFailure, HandedBack, current_service
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,28 @@ def _db():
 
 def _redis():
     return current_app.extensions["llmq_redis"]
+
+
+def _leases() -> Leases:
+    return current_app.extensions["llmq_leases"]
+
+
+def _checkpoint(request_id: str) -> StreamProgress | None:
+    """What an interrupted earlier run of this request streamed (None for a first run)."""
+    progress = read_progress(_redis(), request_id)
+    return progress if progress.choices or progress.ended_with else None
+
+
+def _request_finished(request_id: str) -> bool:
+    with _db().session() as session:
+        request = session.get(Request, request_id)
+        return request is None or request.status in TERMINAL
+
+
+def _item_finished(item_id: int) -> bool:
+    with _db().session() as session:
+        item = session.get(BatchItem, item_id)
+        return item is None or item.status in batch_lifecycle.TERMINAL_ITEM_STATES
 
 
 def _error_code(err: Exception) -> str:
@@ -53,10 +80,31 @@ def complete(request_id: str) -> str:
             service.publisher.publish_one(request_id, service.publisher.error_event(
                 "cancelled", "the request was cancelled before it started", time.time()), finished=True)
             return "cancelled"
-        request.status, request.started_at = "running", time.time()
         kind, body, model, created = request.kind, request.body, request.model, int(request.created_at)
+    if not _leases().acquire_when_free(request_id, lambda: _request_finished(request_id)):
+        return "skipped"
     try:
-        response, job = execute(service, request_id, kind, body, model, created)
+        return _complete_leased(service, request_id, kind, body, model, created)
+    finally:
+        _leases().release(request_id)
+
+
+def _complete_leased(service, request_id: str, kind: str, body: dict, model: str, created: int) -> str:
+    db = _db()
+    checkpoint = _checkpoint(request_id)
+    with db.session() as session:
+        request = session.get(Request, request_id)
+        if checkpoint is not None and checkpoint.ended_with and checkpoint.ended_with["type"] == "error":
+            # It failed, and its worker died before writing that down: its readers saw the error already.
+            request.status, request.finished_at, request.error = "failed", time.time(), checkpoint.ended_with["error"]
+            return "failed"
+        request.status, request.started_at = "running", request.started_at or time.time()
+    try:
+        response, job = execute(service, request_id, kind, body, model, created, resume_from=checkpoint)
+    except HandedBack:
+        with db.session() as session:
+            session.get(Request, request_id).status = "queued"
+        raise Reject("the worker is stopping; requeued to resume elsewhere", requeue=True) from None
     except Exception as err:  # every failure ends the request, so no client waits on its stream forever
         code = _error_code(err)
         event = service.publisher.error_event(code, str(err), time.time(), getattr(err, "param", None))
@@ -100,9 +148,8 @@ def run_batch(batch_id: str) -> int:
 def run_batch_item(item_id: int) -> str:
     """One line of a batch: run it, then write its result and the batch's counts in one transaction."""
     db, service = _db(), current_service()
-    request_id = new_id("cmpl-")
     with db.session() as session:
-        claimed = batch_lifecycle.claim_item(session, item_id, request_id)
+        claimed = batch_lifecycle.claim_item(session, item_id, new_id("cmpl-"))
         if claimed is None:  # done already, or its batch is being cancelled: it may be the last line
             item = session.get(BatchItem, item_id)
             if item is not None:
@@ -110,14 +157,28 @@ def run_batch_item(item_id: int) -> str:
             batch_id = None
         else:
             item, batch = claimed
-            batch_id, body, custom_id, endpoint, model = batch.id, item.body, item.custom_id, batch.endpoint, batch.model
+            batch_id, request_id = batch.id, item.request_id
+            body, custom_id, endpoint, model = item.body, item.custom_id, batch.endpoint, batch.model
     if batch_id is None:
         return "skipped"
+    if not _leases().acquire_when_free(request_id, lambda: _item_finished(item_id)):
+        return "skipped"
+    try:
+        return _run_item_leased(service, item_id, batch_id, request_id, body, custom_id, endpoint, model)
+    finally:
+        _leases().release(request_id)
+
+
+def _run_item_leased(service, item_id: int, batch_id: str, request_id: str, body: dict, custom_id: str,
+                     endpoint: str, model: str) -> str:
+    db = _db()
     kind = "chat" if endpoint.endswith("/chat/completions") else "completion"
     try:
-        response, job = execute(service, request_id, kind, body, model)
+        response, job = execute(service, request_id, kind, body, model, resume_from=_checkpoint(request_id))
         status = "cancelled" if job.cancelled else "completed"
         line = batch_lifecycle.success_line(custom_id, response) if status == "completed" else None
+    except HandedBack:
+        raise Reject("the worker is stopping; requeued to resume elsewhere", requeue=True) from None
     except Exception as err:  # one line's failure is one error line, never a stuck batch
         status = "failed"
         code = _error_code(err)

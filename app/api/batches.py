@@ -20,7 +20,7 @@ from app.errors import APIError, not_found
 from app.models import Batch, BatchItem, File
 from app.serializers import batch_object
 from app.streams import request_cancel
-from workers.batch_lifecycle import finalize_if_done  # torch-free bookkeeping
+from workers.batch_lifecycle import expire_overdue, finalize_if_done  # torch-free bookkeeping
 from workers.openai_protocol import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,11 @@ blueprint = Blueprint("batches", __name__, url_prefix="/v1")
 
 ENDPOINTS = (COMPLETIONS_ENDPOINT, CHAT_ENDPOINT)
 CANCELLABLE = ("validating", "in_progress")
-# OpenAI takes only "24h". llmq also takes any whole number of hours up to a week ("1h", "72h"), so a
-# self-hosted queue can say how long its jobs may wait; "24h" stays the documented default.
-_WINDOW = re.compile(r"([1-9][0-9]{0,2})h")
+# OpenAI takes only "24h". llmq also takes any whole number of seconds, minutes or hours up to a week
+# ("90s", "30m", "72h"), so a self-hosted queue can say how long its jobs may wait; "24h" stays the
+# documented default. A batch still running when its window ends is expired.
+_WINDOW = re.compile(r"([1-9][0-9]{0,5})([smh])")
+_WINDOW_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600}
 MAX_WINDOW_HOURS = 168
 # OpenAI's metadata limits, so a client that passes here passes there too.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -82,6 +84,15 @@ def create_batch():
 
 @blueprint.get("/batches/<batch_id>")
 def get_batch(batch_id: str):
+    with db().session() as session:
+        batch = _batch(session, batch_id)
+        overdue = batch.status in CANCELLABLE and batch.expires_at is not None and batch.expires_at <= time.time()
+        if not overdue:
+            return batch_object(batch)
+    # Workers sweep for expired batches every few seconds; a poll need not wait for the next sweep.
+    with db().session() as session:
+        running = [request_id for _, ids in expire_overdue(session, time.time()) for request_id in ids]
+    _stop_running(running)
     with db().session() as session:
         return batch_object(_batch(session, batch_id))
 
@@ -157,10 +168,12 @@ def _batch(session, batch_id: str) -> Batch:
 def _completion_window(value) -> tuple[str, int]:
     """The window as given ("24h") and its length in seconds."""
     match = _WINDOW.fullmatch(value) if isinstance(value, str) else None
-    if match is None or int(match.group(1)) > MAX_WINDOW_HOURS:
-        raise APIError(400, f"completion_window must be '24h' (or a whole number of hours from '1h' to "
-                            f"'{MAX_WINDOW_HOURS}h'), got {value!r}", param="completion_window", code="invalid_value")
-    return value, int(match.group(1)) * 3600
+    seconds = int(match.group(1)) * _WINDOW_UNIT_SECONDS[match.group(2)] if match else 0
+    if not 0 < seconds <= MAX_WINDOW_HOURS * 3600:
+        raise APIError(400, f"completion_window must be '24h' (or a whole number of seconds, minutes or hours, "
+                            f"like '90s', '30m' or '72h', up to '{MAX_WINDOW_HOURS}h'), got {value!r}",
+                       param="completion_window", code="invalid_value")
+    return value, seconds
 
 
 def _metadata(value) -> dict | None:

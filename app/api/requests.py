@@ -82,7 +82,7 @@ def request_events(request_id: str):
     row = _row(request_id)
     last_id = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0-0"
     if not _STREAM_ID.match(last_id):
-        raise APIError(400, f"Last-Event-ID must be a stream entry id such as 1764400000000-0, got {last_id!r}",
+        raise APIError(400, f"Last-Event-ID must be a stream entry id such as 0-12 (the id of the last event received), got {last_id!r}",
                        param="last_event_id", code="invalid_request")
     cancel_on_disconnect = request.args.get("cancel_on_disconnect", "false").lower() in ("true", "1", "yes")
     redis = common.redis_client()

@@ -1,0 +1,194 @@
+"""Load and faults together: streaming clients and a batch job, a worker killed and Redis restarted
+along the way. Counts what a user would: requests served, errors, time to first token, and the
+batch's lost and duplicated lines (both must be 0; the script exits 1 otherwise).
+
+    python benchmarks/soak.py                       # about 2 minutes on a 2-core machine
+    python benchmarks/soak.py --clients 16 --batch-lines 1000 --kill-at 20 --restart-redis-at 50
+
+It starts its own stack on this machine (a private Redis with its append-only file, SQLite, two
+Celery workers, gunicorn), with short fault timeouts so a killed worker's requests are taken over in
+seconds rather than after the production visibility timeout of an hour. At --kill-at seconds one
+worker is killed with SIGKILL and a fresh one started; at --restart-redis-at Redis is stopped and
+started again. Each streaming client submits completions with `stream: true` one after another
+until the batch ends; a stream that breaks, returns an error, or whose tokens are not all there
+counts as an error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.local_stack import LocalStack  # noqa: E402
+
+SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was", "Mom said",
+           "A big red ball", "They went to the park", "The bird sang", "Ben had a toy"]
+FAULT_ENV = {"LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISIBILITY_TIMEOUT": "10", "LLMQ_LEASE_SECONDS": "8",
+             "LLMQ_SHUTDOWN_GRACE_SECONDS": "10", "LLMQ_MAX_NUM_SEQS": "32"}
+
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.served = 0
+        self.errors: list[str] = []
+        self.ttft: list[float] = []
+
+    def ok(self, ttft: float) -> None:
+        with self.lock:
+            self.served += 1
+            self.ttft.append(ttft)
+
+    def error(self, what: str) -> None:
+        with self.lock:
+            self.errors.append(what)
+
+
+def stream_client(base_url: str, model: str, max_tokens: int, stop: threading.Event, tally: Tally, n: int) -> None:
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        while not stop.is_set():
+            body = {"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            n += 1
+            started, first, tokens = time.perf_counter(), None, 0
+            try:
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        tally.error(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+                        continue
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise RuntimeError(chunk["error"])
+                        if chunk["choices"] and chunk["choices"][0]["text"]:
+                            first = first or time.perf_counter()
+                        tokens += 1 if chunk["choices"] else 0
+                if first is None:
+                    raise RuntimeError("no token came")
+                tally.ok(first - started)
+            except Exception as err:  # counted, never hidden
+                tally.error(repr(err)[:200])
+
+
+def submit_batch(client: httpx.Client, model: str, lines: int, max_tokens: int) -> str:
+    rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+                                 "temperature": 0, "ignore_eos": True}}) for i in range(lines)]
+    file_id = client.post("/v1/files", files={"file": ("soak.jsonl", "\n".join(rows).encode())},
+                          data={"purpose": "batch"}).json()["id"]
+    return client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                            "completion_window": "24h"}).json()["id"]
+
+
+def get_json(client: httpx.Client, path: str, attempts: int = 30):
+    """GET with retries: the web server keeps serving through the faults, but a poll may land on the
+    moment Redis is down; the soak measures the service, not one unlucky poll."""
+    for attempt in range(attempts):
+        try:
+            response = client.get(path)
+            if response.status_code == 200:
+                return response
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"GET {path} kept failing")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model folder (default: ../shared/models/stories260k if present, else llmq's own)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
+    parser.add_argument("--batch-lines", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kill-at", type=float, default=15.0, help="seconds in: SIGKILL a worker")
+    parser.add_argument("--restart-redis-at", type=float, default=35.0, help="seconds in: restart Redis")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up on the batch after this")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as home:
+        env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", **FAULT_ENV}
+        model_dir = args.model or (SHARED_MODEL if SHARED_MODEL.is_dir() else None)
+        if model_dir is not None:
+            env["MODEL_PATH"] = str(model_dir)
+        print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
+        with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
+                httpx.Client(base_url=stack.base_url, timeout=120) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            tally, stop = Tally(), threading.Event()
+            started = time.monotonic()
+            batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
+            clients = [threading.Thread(target=stream_client, daemon=True,
+                                        args=(stack.base_url, model, args.max_tokens, stop, tally, n))
+                       for n in range(args.clients)]
+            for thread in clients:
+                thread.start()
+            faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
+            batch = {}
+            while time.monotonic() - started < args.timeout:
+                elapsed = time.monotonic() - started
+                while faults and elapsed >= faults[0][0]:
+                    _, fault = faults.pop(0)
+                    if fault == "kill":
+                        print(f"{elapsed:5.1f}s  SIGKILL worker w0; starting w2", flush=True)
+                        stack.kill_worker("w0", signal.SIGKILL)
+                        stack.start_worker("w2")
+                    else:
+                        print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
+                        stack.restart_redis(down_s=2.0)
+                batch = get_json(client, f"/v1/batches/{batch_id}").json()
+                counts = batch["request_counts"]
+                print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
+                      f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
+                      flush=True)
+                if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
+                    break
+                time.sleep(2)
+            stop.set()
+            for thread in clients:
+                thread.join(timeout=150)
+            seconds = time.monotonic() - started
+            lines = []
+            for key in ("output_file_id", "error_file_id"):
+                if batch.get(key):
+                    text = get_json(client, f"/v1/files/{batch[key]}/content").text
+                    lines += [json.loads(line) for line in text.splitlines()]
+
+    seen = Counter(line["custom_id"] for line in lines)
+    expected = {f"line-{i}" for i in range(args.batch_lines)}
+    lost = len(expected - set(seen))
+    duplicated = sum(count - 1 for count in seen.values() if count > 1)
+    ttft_ms = sorted(1000 * t for t in tally.ttft)
+    p50 = statistics.median(ttft_ms) if ttft_ms else float("nan")
+    p99 = ttft_ms[min(len(ttft_ms) - 1, int(0.99 * len(ttft_ms)))] if ttft_ms else float("nan")
+    print(f"\n| soak ({seconds:.0f} s, {args.clients} streaming clients, {args.batch_lines}-line batch, "
+          "1 worker SIGKILLed, Redis restarted) | |\n|---|---|")
+    for name, value in (("batch status", batch.get("status")), ("streams served", tally.served),
+                        ("stream errors", len(tally.errors)), ("time to first token p50", f"{p50:.0f} ms"),
+                        ("time to first token p99", f"{p99:.0f} ms"), ("batch lines lost", lost),
+                        ("batch lines duplicated", duplicated)):
+        print(f"| {name} | {value} |")
+    for error in tally.errors[:5]:
+        print("  error:", error)
+    print(json.dumps({"seconds": seconds, "served": tally.served, "errors": len(tally.errors), "ttft_ms_p50": p50,
+                      "ttft_ms_p99": p99, "lost": lost, "duplicated": duplicated, "status": batch.get("status")}))
+    if lost or duplicated or batch.get("status") != "completed":
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Batch bookkeeping in the database, exactly: a redelivered line keeps its request id, and a batch
+past its completion window is expired with the lines already done in its output file."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.database import Database
+from app.models import Batch, BatchItem, File
+from workers import batch_lifecycle
+
+REPO = Path(__file__).resolve().parents[1]
+LINES = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+          "body": {"model": "m", "prompt": f"prompt {i}", "max_tokens": 4}} for i in range(5)]
+
+
+@pytest.fixture()
+def db(tmp_path) -> Database:
+    url = f"sqlite:///{tmp_path / 'llmq.db'}"
+    done = subprocess.run([sys.executable, "-m", "alembic", "-x", f"url={url}", "upgrade", "head"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return Database(url)
+
+
+@pytest.fixture()
+def batch_id(db) -> str:
+    """An in_progress batch of 5 lines that expires at t=1000."""
+    content = "\n".join(json.dumps(line) for line in LINES).encode()
+    with db.session() as session:
+        file = File(filename="in.jsonl", purpose="batch", bytes=len(content), content=content)
+        session.add(file)
+        session.flush()
+        batch = Batch(endpoint="/v1/completions", model="m", input_file_id=file.id, created_at=900.0,
+                      expires_at=1000.0)
+        session.add(batch)
+        session.flush()
+        assert len(batch_lifecycle.expand_input(session, batch, "m", max_lines=100)) == 5
+        return batch.id
+
+
+def items(db, batch_id) -> list[BatchItem]:
+    with db.session() as session:
+        return list(session.query(BatchItem).filter_by(batch_id=batch_id).order_by(BatchItem.line))
+
+
+def test_a_redelivered_line_keeps_its_first_request_id(db, batch_id):
+    first = items(db, batch_id)[0]
+    with db.session() as session:
+        item, _ = batch_lifecycle.claim_item(session, first.id, "cmpl-first")
+        assert item.request_id == "cmpl-first"
+    with db.session() as session:  # the same line again: its worker died while running it
+        item, _ = batch_lifecycle.claim_item(session, first.id, "cmpl-second")
+        assert (item.request_id, item.status) == ("cmpl-first", "running")
+    with db.session() as session:
+        assert batch_lifecycle.record_result(session, first.id, "completed", {"custom_id": "c0"})
+    with db.session() as session:  # finished: a third delivery is turned away
+        assert batch_lifecycle.claim_item(session, first.id, "cmpl-third") is None
+
+
+def test_expiry_keeps_the_done_lines_and_ends_the_rest(db, batch_id):
+    done, running, *_ = items(db, batch_id)
+    with db.session() as session:
+        batch_lifecycle.claim_item(session, done.id, "cmpl-done")
+        batch_lifecycle.record_result(session, done.id, "completed", {"custom_id": "c0", "response": {}})
+        batch_lifecycle.claim_item(session, running.id, "cmpl-running")
+
+    with db.session() as session:
+        assert batch_lifecycle.expire_overdue(session, now=999.0) == []
+    with db.session() as session:
+        assert batch_lifecycle.expire_overdue(session, now=1000.0) == [(batch_id, ["cmpl-running"])]
+    with db.session() as session:
+        assert batch_lifecycle.expire_overdue(session, now=2000.0) == [], "expired twice"
+
+    with db.session() as session:
+        batch = session.get(Batch, batch_id)
+        assert (batch.status, batch.expired_at, batch.completed, batch.failed, batch.total) == ("expired", 1000.0, 1, 4, 5)
+        output = session.get(File, batch.output_file_id).content.decode().splitlines()
+        errors = [json.loads(line) for line in session.get(File, batch.error_file_id).content.decode().splitlines()]
+    assert [json.loads(line)["custom_id"] for line in output] == ["c0"]
+    assert [(e["custom_id"], e["error"]["code"], e["error"]["line"]) for e in errors] == \
+        [(f"c{i}", "batch_expired", i + 1) for i in range(1, 5)]
+    # The running line's worker finishes later: its result is refused, the counts stay.
+    with db.session() as session:
+        assert not batch_lifecycle.record_result(session, running.id, "completed", {"custom_id": "c1"})
+        assert batch_lifecycle.finalize_if_done(session, batch_id) is None
+        assert session.get(Batch, batch_id).completed == 1
+
+
+def test_a_batch_that_finished_in_time_is_not_expired(db, batch_id):
+    with db.session() as session:
+        for item in items(db, batch_id):
+            batch_lifecycle.record_result(session, item.id, "completed", {"custom_id": item.custom_id})
+    with db.session() as session:
+        assert batch_lifecycle.finalize_if_done(session, batch_id) == "completed"
+    with db.session() as session:
+        assert batch_lifecycle.expire_overdue(session, now=5000.0) == []
+        assert session.get(Batch, batch_id).status == "completed"

@@ -1,0 +1,93 @@
+"""Leases on a real Redis server: one owner at a time, a lapsed lease is taken over, only the owner
+renews or releases, and a process never runs one request twice."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from app.embedded_redis import start_redis_server, wait_for_redis
+from app.local_stack import free_port
+from app.streams import lease_key
+from workers.leases import Leases
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    port = free_port()
+    server = start_redis_server(tmp_path_factory.mktemp("redis"), port, daemonize=False)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for_redis(url)
+        yield redis.Redis.from_url(url)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_one_owner_at_a_time_and_release_frees_it(client):
+    a, b = Leases(client, "a", ttl_s=5), Leases(client, "b", ttl_s=5)
+    assert a.acquire("r1")
+    assert not b.acquire("r1")
+    assert client.get(lease_key("r1")) == b"a"
+    b.release("r1")  # not b's: nothing happens
+    assert client.get(lease_key("r1")) == b"a"
+    a.release("r1")
+    assert client.get(lease_key("r1")) is None
+    assert b.acquire("r1")
+    b.release("r1")
+
+
+def test_a_process_never_runs_a_request_twice(client):
+    a = Leases(client, "a", ttl_s=5)
+    assert a.acquire("r2")
+    client.delete(lease_key("r2"))  # as if it lapsed while Redis was away
+    assert not a.acquire("r2"), "a second delivery in the same process must wait for the first"
+    a.release("r2")
+    assert a.acquire("r2")
+    a.release("r2")
+
+
+def test_a_lapsed_lease_is_taken_over_and_its_old_owner_learns_it(client):
+    a, b = Leases(client, "a", ttl_s=0.3), Leases(client, "b", ttl_s=5)
+    assert a.acquire("r3")
+    time.sleep(0.5)  # a stalled: no renewal
+    assert b.acquire("r3")
+    assert a.renew_all() == ["r3"]
+    assert client.get(lease_key("r3")) == b"b", "the stalled owner must not take the lease back"
+    assert b.renew_all() == []
+    b.release("r3")
+    a.release("r3")
+
+
+def test_renewal_keeps_a_lease_alive_and_restores_a_lost_key(client):
+    a = Leases(client, "a", ttl_s=0.4)
+    assert a.acquire("r4")
+    for _ in range(4):
+        time.sleep(0.2)
+        assert a.renew_all() == []
+    assert client.get(lease_key("r4")) == b"a"
+    client.delete(lease_key("r4"))  # Redis lost it (restarted without persistence)
+    assert a.renew_all() == []
+    assert client.get(lease_key("r4")) == b"a"
+    assert 0 < client.pttl(lease_key("r4")) <= 400
+    a.release("r4")
+
+
+def test_acquire_when_free_waits_for_the_owner_and_gives_up_when_it_finished(client):
+    a, b = Leases(client, "a", ttl_s=5), Leases(client, "b", ttl_s=5)
+    assert a.acquire("r5")
+    threading.Timer(0.3, a.release, args=("r5",)).start()
+    started = time.monotonic()
+    assert b.acquire_when_free("r5", finished=lambda: False, poll_s=0.05)
+    assert time.monotonic() - started >= 0.25
+    b.release("r5")
+
+    assert a.acquire("r6")
+    done = threading.Event()
+    threading.Timer(0.2, done.set).start()
+    assert not b.acquire_when_free("r6", finished=done.is_set, poll_s=0.05)
+    assert client.get(lease_key("r6")) == b"a"
+    a.release("r6")
