@@ -35,8 +35,8 @@ from app.local_stack import LocalStack  # noqa: E402
 SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was", "Mom said",
            "A big red ball", "They went to the park", "The bird sang", "Ben had a toy"]
-FAULT_ENV = {"LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISIBILITY_TIMEOUT": "10", "LLMQ_LEASE_SECONDS": "8",
-             "LLMQ_SHUTDOWN_GRACE_SECONDS": "10", "LLMQ_MAX_NUM_SEQS": "32"}
+FAULT_ENV = {"LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISIBILITY_TIMEOUT": "30", "LLMQ_LEASE_SECONDS": "8",
+             "LLMQ_SWEEP_SECONDS": "2", "LLMQ_SHUTDOWN_GRACE_SECONDS": "10", "LLMQ_MAX_NUM_SEQS": "32"}
 
 
 class Tally:

@@ -24,6 +24,10 @@ from workers.openai_protocol import (CHAT_ENDPOINT, BatchLineError, batch_error_
 log = logging.getLogger(__name__)
 
 TERMINAL_ITEM_STATES = ("completed", "failed", "cancelled")
+# Someone is waiting on an API request; nobody is on one batch line. Batch lines are queued at a lower
+# broker priority (kombu reads a Redis queue's priority lists in order, 0 first), so an app's request
+# does not wait behind a bulk job's backlog.
+BATCH_BROKER_PRIORITY = 6
 
 
 def expand_input(session: Session, batch: Batch, served_model: str, max_lines: int) -> list[int]:

@@ -23,7 +23,7 @@ import redis
 from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 
 from app import create_app
-from app.streams import CANCEL_CHANNEL, SWEEP_LOCK_KEY, WORKERS_KEY, request_cancel
+from app.streams import CANCEL_CHANNEL, SWEEP_LOCK_KEY, WORKERS_KEY
 
 flask_app = create_app()
 celery_app = flask_app.extensions["celery"]
@@ -62,7 +62,7 @@ def start_engine(sender=None, **_):
     leases = flask_app.extensions["llmq_leases"] = Leases(client, name, settings.lease_seconds)
     threading.Thread(target=_heartbeats, args=(client, service, name, leases), daemon=True,
                      name="llmq-heartbeat").start()
-    threading.Thread(target=_sweep_expired_batches, args=(client,), daemon=True, name="llmq-sweeper").start()
+    threading.Thread(target=_sweep, args=(client,), daemon=True, name="llmq-sweeper").start()
     threading.Thread(target=_listen_for_cancels, args=(client, service), daemon=True, name="llmq-cancels").start()
     log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), model_path)
 
@@ -130,20 +130,15 @@ def _listen_for_cancels(client: redis.Redis, service) -> None:
             time.sleep(1)
 
 
-def _sweep_expired_batches(client: redis.Redis) -> None:
-    """Every sweep_seconds, one worker (whoever takes the lock) expires the batches past their
-    completion window and cancels their lines still running."""
-    from workers import batch_lifecycle
+def _sweep(client: redis.Redis) -> None:
+    """Every sweep_seconds, one worker (whoever takes the lock) runs the sweep (workers/sweeper.py)."""
+    from workers.sweeper import Sweeper
 
-    db = flask_app.extensions["llmq_db"]
+    sweeper = Sweeper(flask_app.extensions["llmq_db"], client, celery_app, settings.visibility_timeout,
+                      settings.stream_ttl)
     while not _stop.wait(settings.sweep_seconds):
         try:
-            if not client.set(SWEEP_LOCK_KEY, "1", nx=True, ex=max(1, settings.sweep_seconds)):
-                continue
-            with db.session() as session:
-                expired = batch_lifecycle.expire_overdue(session, time.time())
-            for batch_id, running_request_ids in expired:
-                for request_id in running_request_ids:
-                    request_cancel(client, request_id, settings.stream_ttl)
+            if client.set(SWEEP_LOCK_KEY, "1", nx=True, ex=max(1, settings.sweep_seconds)):
+                sweeper.sweep(time.time())
         except Exception:  # the next sweep tries again
-            log.exception("batch expiry sweep failed")
+            log.exception("sweep failed")

@@ -51,6 +51,7 @@ class Job:
     prompts: list
     params: SamplingParams
     resume_from: StreamProgress | None = None  # what an earlier run of this request already streamed
+    priority: int = 0  # the scheduler's: lower is admitted first
     outputs: list[list[CompletionOutput]] = field(default_factory=list)  # [prompt][sample]
     prompt_token_ids: list[list[int]] = field(default_factory=list)
     # Engine request id -> (prompt number, its first sample): "#k" runs prompt k's n samples together;
@@ -119,12 +120,12 @@ class EngineService:
         self._thread.join(timeout)
 
     def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None,
-            resume_from: StreamProgress | None = None) -> Job:
+            resume_from: StreamProgress | None = None, priority: int = 0) -> Job:
         """Generate, publishing tokens as they come; returns when every sample has finished. With
         `resume_from`, the choices go on from (and their outputs start with) what it holds. Raises
         InvalidRequest if the engine refuses the request (e.g. longer than the context), HandedBack if
         this worker is stopping."""
-        job = Job(request_id, prompts, params, resume_from)
+        job = Job(request_id, prompts, params, resume_from, priority)
         self._intake.put(job)
         self._wake.set()
         if not job.done.wait(timeout):
@@ -231,7 +232,7 @@ class EngineService:
             seq = None
             if not any(c is not None and (c.token_ids or c.finish_reason) for c in before):
                 engine_id = f"{job.request_id}#{k}"
-                seq = self.engine.add_request(engine_id, prompt, job.params)
+                seq = self.engine.add_request(engine_id, prompt, job.params, job.priority)
                 job.routes[engine_id] = (k, 0)
                 job.outputs.append([CompletionOutput(i) for i in range(n)])
             else:
@@ -239,7 +240,7 @@ class EngineService:
                 for s, output in enumerate(job.outputs[k]):
                     if output.finish_reason is None:
                         engine_id = f"{job.request_id}#{k}.{s}"
-                        seq = self.engine.add_request(engine_id, prompt, _one_sample(job.params, s),
+                        seq = self.engine.add_request(engine_id, prompt, _one_sample(job.params, s), job.priority,
                                                       resume=ResumePoint(tuple(output.token_ids), len(output.text)))
                         job.routes[engine_id] = (k, s)
             job.prompt_token_ids.append(seq.prompt_token_ids if seq else self.engine.tokenize(prompt))

@@ -27,6 +27,8 @@ from workers.service import EngineFailure, HandedBack, current_service
 log = logging.getLogger(__name__)
 
 TERMINAL = ("completed", "failed", "cancelled")
+# Batch lines also enter the engine after API requests (see batch_lifecycle.BATCH_BROKER_PRIORITY).
+API_ENGINE_PRIORITY, BATCH_ENGINE_PRIORITY = 0, 1
 
 
 def _db():
@@ -100,7 +102,8 @@ def _complete_leased(service, request_id: str, kind: str, body: dict, model: str
             return "failed"
         request.status, request.started_at = "running", request.started_at or time.time()
     try:
-        response, job = execute(service, request_id, kind, body, model, created, resume_from=checkpoint)
+        response, job = execute(service, request_id, kind, body, model, created, resume_from=checkpoint,
+                                priority=API_ENGINE_PRIORITY)
     except HandedBack:
         with db.session() as session:
             session.get(Request, request_id).status = "queued"
@@ -137,7 +140,7 @@ def run_batch(batch_id: str) -> int:
             item_ids = [i.id for i in batch_lifecycle.pending_items(session, batch_id)]
         queue = queue_name(batch.model)
     for item_id in item_ids:
-        run_batch_item.apply_async(args=[item_id], queue=queue)
+        run_batch_item.apply_async(args=[item_id], queue=queue, priority=batch_lifecycle.BATCH_BROKER_PRIORITY)
     with _db().session() as session:
         batch_lifecycle.finalize_if_done(session, batch_id)
     log.info("batch %s: %d lines queued", batch_id, len(item_ids))
@@ -174,7 +177,8 @@ def _run_item_leased(service, item_id: int, batch_id: str, request_id: str, body
     db = _db()
     kind = "chat" if endpoint.endswith("/chat/completions") else "completion"
     try:
-        response, job = execute(service, request_id, kind, body, model, resume_from=_checkpoint(request_id))
+        response, job = execute(service, request_id, kind, body, model, resume_from=_checkpoint(request_id),
+                                priority=BATCH_ENGINE_PRIORITY)
         status = "cancelled" if job.cancelled else "completed"
         line = batch_lifecycle.success_line(custom_id, response) if status == "completed" else None
     except HandedBack:

@@ -1,0 +1,30 @@
+"""An app's request does not wait behind a bulk job: batch lines go to the broker at a lower priority
+and into the engine after API requests, so a completion sent after a large batch is served while most
+of the batch is still queued."""
+import json
+
+from tests.service.conftest import MODEL_NAME, wait_until
+
+LINES, SLOTS = 64, 16  # the session stack's worker runs LLMQ_MAX_NUM_SEQS=16 sequences at once
+
+
+def test_a_completion_sent_after_a_big_batch_is_served_before_it(api):
+    rows = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 80,
+                                 "temperature": 0, "ignore_eos": True}}) for i in range(LINES)]
+    file_id = api.post("/v1/files", files={"file": ("big.jsonl", "\n".join(rows).encode())},
+                       data={"purpose": "batch"}).json()["id"]
+    batch_id = api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                             "completion_window": "24h"}).json()["id"]
+    # Once the worker is full of batch lines (the rest wait in the broker), an app asks for a completion.
+    wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["status"] == "in_progress"
+               and sum(w["running"] for w in api.get("/v1/workers").json()["data"]) >= SLOTS, interval=0.05)
+    response = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "The little dog", "max_tokens": 8,
+                                                  "temperature": 0})
+    assert response.status_code == 200, response.text
+    done_meanwhile = api.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"]
+    # First come first served would put it after all 64 lines; with priorities it waits for the first
+    # wave of 16 lines at most.
+    assert done_meanwhile <= LINES // 2, f"{done_meanwhile} of {LINES} batch lines ran before the completion"
+    api.post(f"/v1/batches/{batch_id}/cancel")
+    wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["status"] == "cancelled", timeout=120)
