@@ -54,6 +54,9 @@ def _celery_config(settings: Settings, redis_url: str) -> dict:
         "task_acks_late": True,  # a task is acknowledged when done, so a crashed worker's work is redelivered
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,  # the engine batches; an idle worker elsewhere should get work
+        # Requests in flight carry on through a broker reconnect (their acks may be lost, so their tasks
+        # come again, and find the work done or leased): cancelling them would throw away the tokens.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Redis redelivers an unacknowledged task (its worker died) after visibility_timeout; consumers
         # look for such tasks every unacked_restore_interval seconds (throttle 1: on every look).
         "broker_transport_options": {"visibility_timeout": settings.visibility_timeout,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -120,54 +121,57 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on the batch after this")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as home:
-        env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", **FAULT_ENV}
-        model_dir = args.model or (SHARED_MODEL if SHARED_MODEL.is_dir() else None)
-        if model_dir is not None:
-            env["MODEL_PATH"] = str(model_dir)
-        print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
-        with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
-                httpx.Client(base_url=stack.base_url, timeout=120) as client:
-            model = client.get("/v1/models").json()["data"][0]["id"]
-            tally, stop = Tally(), threading.Event()
-            started = time.monotonic()
-            batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
-            clients = [threading.Thread(target=stream_client, daemon=True,
-                                        args=(stack.base_url, model, args.max_tokens, stop, tally, n))
-                       for n in range(args.clients)]
-            for thread in clients:
-                thread.start()
-            faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
-            batch = {}
-            while time.monotonic() - started < args.timeout:
-                elapsed = time.monotonic() - started
-                while faults and elapsed >= faults[0][0]:
-                    _, fault = faults.pop(0)
-                    if fault == "kill":
-                        print(f"{elapsed:5.1f}s  SIGKILL worker w0; starting w2", flush=True)
-                        stack.kill_worker("w0", signal.SIGKILL)
-                        stack.start_worker("w2")
-                    else:
-                        print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
-                        stack.restart_redis(down_s=2.0)
-                batch = get_json(client, f"/v1/batches/{batch_id}").json()
-                counts = batch["request_counts"]
-                print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
-                      f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
-                      flush=True)
-                if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
-                    break
-                time.sleep(2)
-            stop.set()
-            for thread in clients:
-                thread.join(timeout=150)
-            seconds = time.monotonic() - started
-            lines = []
-            for key in ("output_file_id", "error_file_id"):
-                if batch.get(key):
-                    text = get_json(client, f"/v1/files/{batch[key]}/content").text
-                    lines += [json.loads(line) for line in text.splitlines()]
+    home = tempfile.mkdtemp(prefix="llmq-soak-")  # kept when the run fails: the logs say why
+    env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", **FAULT_ENV}
+    model_dir = args.model or (SHARED_MODEL if SHARED_MODEL.is_dir() else None)
+    if model_dir is not None:
+        env["MODEL_PATH"] = str(model_dir)
+    print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
+    with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
+            httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        tally, stop = Tally(), threading.Event()
+        started = time.monotonic()
+        batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
+        clients = [threading.Thread(target=stream_client, daemon=True,
+                                    args=(stack.base_url, model, args.max_tokens, stop, tally, n))
+                   for n in range(args.clients)]
+        for thread in clients:
+            thread.start()
+        faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
+        batch = {}
+        while time.monotonic() - started < args.timeout:
+            elapsed = time.monotonic() - started
+            while faults and elapsed >= faults[0][0]:
+                _, fault = faults.pop(0)
+                if fault == "kill":
+                    print(f"{elapsed:5.1f}s  SIGKILL worker w0; starting w2", flush=True)
+                    stack.kill_worker("w0", signal.SIGKILL)
+                    stack.start_worker("w2")
+                else:
+                    print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
+                    stack.restart_redis(down_s=2.0)
+            batch = get_json(client, f"/v1/batches/{batch_id}").json()
+            counts = batch["request_counts"]
+            print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
+                  f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
+                  flush=True)
+            if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
+                break
+            time.sleep(2)
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=150)
+        seconds = time.monotonic() - started
+        lines = []
+        for key in ("output_file_id", "error_file_id"):
+            if batch.get(key):
+                text = get_json(client, f"/v1/files/{batch[key]}/content").text
+                lines += [json.loads(line) for line in text.splitlines()]
 
+    worker_logs = "".join(path.read_text(errors="replace") for path in Path(home).glob("worker-*.log"))
+    resumed = worker_logs.count("from its checkpoint")
+    handed_over = worker_logs.count("waiting for it to finish or its lease to lapse")
     seen = Counter(line["custom_id"] for line in lines)
     expected = {f"line-{i}" for i in range(args.batch_lines)}
     lost = len(expected - set(seen))
@@ -180,14 +184,18 @@ def main() -> None:
     for name, value in (("batch status", batch.get("status")), ("streams served", tally.served),
                         ("stream errors", len(tally.errors)), ("time to first token p50", f"{p50:.0f} ms"),
                         ("time to first token p99", f"{p99:.0f} ms"), ("batch lines lost", lost),
-                        ("batch lines duplicated", duplicated)):
+                        ("batch lines duplicated", duplicated), ("requests resumed from a checkpoint", resumed),
+                        ("redeliveries that waited on a live lease", handed_over)):
         print(f"| {name} | {value} |")
     for error in tally.errors[:5]:
         print("  error:", error)
     print(json.dumps({"seconds": seconds, "served": tally.served, "errors": len(tally.errors), "ttft_ms_p50": p50,
-                      "ttft_ms_p99": p99, "lost": lost, "duplicated": duplicated, "status": batch.get("status")}))
+                      "ttft_ms_p99": p99, "lost": lost, "duplicated": duplicated, "resumed": resumed,
+                      "status": batch.get("status")}))
     if lost or duplicated or batch.get("status") != "completed":
+        print(f"FAILED: logs and database kept in {home}")
         sys.exit(1)
+    shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
