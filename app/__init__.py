@@ -48,6 +48,7 @@ def redis_client(url: str, retry_seconds: float) -> redis.Redis:
 def _celery_config(settings: Settings, redis_url: str) -> dict:
     return {
         "broker_url": redis_url,
+        "broker_transport": "app.broker:Transport",  # kombu's Redis transport, minus restore-on-close
         "task_ignore_result": True,  # results live in the database and the token streams
         "task_serializer": "json",
         "accept_content": ["json"],
