@@ -5,7 +5,7 @@ import pytest
 
 from workers.engine.config import InvalidRequest
 from workers.openai_protocol import (BatchLineError, batch_error_line, batch_output_line, parse_batch_line,
-                                     parse_completion_request)
+                                     parse_chat_request, parse_completion_request)
 
 
 def test_defaults_follow_openai():
@@ -46,10 +46,24 @@ def test_prompt_forms(prompt, expected):
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "model": 7}, "model"),
+    # Found by the OpenAPI fuzz test: these were accepted (a list counted as include_usage: true).
+    ({"prompt": "a", "user": 5}, "user"),
+    ({"prompt": "a", "stream_options": {"include_usage": [1]}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(InvalidRequest) as err:
         parse_completion_request(body)
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "user": True}, "user"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+])
+def test_bad_chat_envelope_fields_are_named(body, param):
+    with pytest.raises(InvalidRequest) as err:
+        parse_chat_request(body)
     assert err.value.param == param
 
 

@@ -67,14 +67,19 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
 
 
 def _envelope(body: dict) -> tuple[str | None, bool, bool]:
-    """(model, stream, stream_options.include_usage), checked."""
+    """(model, stream, stream_options.include_usage), checked; and user, which is stored as given."""
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InvalidRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model must be a string", "model")
-    return model, _flag(body, "stream"), bool(stream_options.get("include_usage"))
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequest("user must be a string", "user")
+    return model, _flag(body, "stream"), bool(include_usage)
 
 
 def _default(body: dict, field: str, default):
