@@ -43,7 +43,7 @@ RESPONSES = {
 
 PARAMETERS = {
     "IdempotencyKey": {
-        "name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string", "maxLength": 255},
+        "name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
         "description": "A client-chosen key: a POST repeated with the same key answers as the first one did, "
                        "without doing the work twice."},
 }
@@ -81,7 +81,11 @@ def _json_body(name: str) -> dict:
     return {"required": True, "content": {"application/json": {"schema": ref(name)}}}
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_STREAM_ENTRY_ID = {"type": "string", "pattern": r"^(\d+(-\d+)?)?$"}  # a Redis stream entry id, or empty
+
+
+def _sse(event: str) -> dict:
+    return {"text/event-stream": {"schema": ref(event)}}
 
 # ---- the operations ------------------------------------------------------------------------
 
@@ -95,7 +99,7 @@ def _completion_operation(operation_id: str, summary: str, request: str, answer:
                      "A streaming client that disconnects cancels its request."),
         responses={
             "200": {"description": f"The {answer} (or, when streaming, its chunks)",
-                    "content": {"application/json": {"schema": ref(answer)}, **_SSE}},
+                    "content": {"application/json": {"schema": ref(answer)}, **_sse("CompletionStreamEvent")}},
             "409": _error("The request was cancelled before it ran (code `cancelled`)."),
             "500": _error("The worker failed while running the request (server_error)."),
         })
@@ -143,17 +147,15 @@ PATHS = {
                      "`data:` the event JSON), ending after done or error; heartbeat comments while waiting. "
                      "Reconnect with Last-Event-ID to get the rest and nothing twice."),
         parameters=[_path_id("request_id", "cmpl-0123456789abcdef01234567"),
-                    {"name": "Last-Event-ID", "in": "header", "required": False,
-                     "schema": {"type": "string", "pattern": r"^\d+(-\d+)?$"},
-                     "description": "the id of the last event received"},
-                    {"name": "last_event_id", "in": "query", "required": False,
-                     "schema": {"type": "string", "pattern": r"^\d+(-\d+)?$"},
+                    {"name": "Last-Event-ID", "in": "header", "required": False, "schema": _STREAM_ENTRY_ID,
+                     "description": "the id of the last event received (empty: from the first event)"},
+                    {"name": "last_event_id", "in": "query", "required": False, "schema": _STREAM_ENTRY_ID,
                      "description": "the same, for clients that cannot set headers"},
                     {"name": "cancel_on_disconnect", "in": "query", "required": False,
                      "schema": {"type": "string", "default": "false"},
                      "description": "`true` (or `1`, `yes`): a client that disconnects cancels the request"}],
         errors=(400, 404),
-        responses={"200": {"description": "The events", "content": _SSE},
+        responses={"200": {"description": "The events", "content": _sse("RequestStreamEvent")},
                    "204": {"description": "The client already has every event, the end included"},
                    "410": _error("The event stream has expired; the result stays at GET /v1/requests/{id}")})},
     "/v1/files": {

@@ -61,8 +61,8 @@ _SAMPLING = {
     "seed": {"type": ["integer", "null"], "description": "per-request seed; the same seed gives the same text"},
     "stream": {"type": ["boolean", "null"], "default": False,
                "description": "answer as text/event-stream chunks, ending with `data: [DONE]`"},
-    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
+    "user": {"type": ["string", "null"], "description": "stored with the request, not interpreted"},
     "ignore_eos": {"type": ["boolean", "null"], "default": False, "description": "llmq extension (as vLLM)"},
     "stop_token_ids": {"type": ["array", "null"], "items": _TOKEN_ID, "description": "llmq extension (as vLLM)"},
     # OpenAI fields llmq does not implement: accepted only at their neutral value.
@@ -127,7 +127,8 @@ FILE_UPLOAD = {
     "type": "object",
     "required": ["file", "purpose"],
     "properties": {
-        "file": {"type": "string", "contentMediaType": "application/octet-stream",
+        # No type: a multipart part is bytes, whatever they hold.
+        "file": {"contentMediaType": "application/octet-stream",
                  "description": "JSON Lines, one batch request per line (checked when a batch is created)"},
         "purpose": {"const": "batch"},
     },
@@ -191,6 +192,28 @@ REQUEST = {
                      "description": "the whole answer, once completed"},
         "error": {"type": ["object", "null"], "properties": {"code": {"type": ["string", "null"]},
                                                               "message": {"type": "string"}}},
+    },
+}
+
+# Server-Sent Events: each schema is one event as its fields arrive (data, event, id), as OpenAPI
+# 3.2's itemSchema puts it; heartbeat comments (": keep-alive") carry no event.
+COMPLETION_STREAM_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": (
+        "one chunk's JSON (the completion shape, text deltas in its choices), a usage chunk with empty choices, "
+        "or an error object; the last event's data is [DONE]")}},
+}
+
+REQUEST_STREAM_EVENT = {
+    "type": "object",
+    "required": ["id", "event", "data"],
+    "properties": {
+        "id": {"type": "string", "pattern": r"^\d+-\d+$", "description": "the Redis stream entry id (Last-Event-ID)"},
+        "event": {"enum": ["delta", "done", "error"]},
+        "data": {"type": "string", "contentMediaType": "application/json", "description": (
+            "delta: {type, index, text, token_ids, logprobs, finish_reason, t}; done: {type, usage, t}; "
+            "error: {type, error: {code, message, param}, t}")},
     },
 }
 
@@ -266,6 +289,8 @@ SCHEMAS = {
     "Completion": COMPLETION,
     "ChatCompletion": CHAT_COMPLETION,
     "Request": REQUEST,
+    "CompletionStreamEvent": COMPLETION_STREAM_EVENT,
+    "RequestStreamEvent": REQUEST_STREAM_EVENT,
     "Model": MODEL,
     "ModelList": list_of(ref("Model")),
     "File": FILE,
