@@ -49,6 +49,10 @@ def test_prompt_forms(prompt, expected):
     # Found by the OpenAPI fuzz test: these were accepted (a list counted as include_usage: true).
     ({"prompt": "a", "user": 5}, "user"),
     ({"prompt": "a", "stream_options": {"include_usage": [1]}}, "stream_options.include_usage"),
+    # Found by the OpenAPI fuzz test: any of 0, {} and "" passed as neutral for every unsupported field.
+    ({"prompt": "a", "suffix": {}}, "suffix"),
+    ({"prompt": "a", "logit_bias": ""}, "logit_bias"),
+    ({"prompt": "a", "presence_penalty": False}, "presence_penalty"),
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(InvalidRequest) as err:
@@ -65,6 +69,11 @@ def test_bad_chat_envelope_fields_are_named(body, param):
     with pytest.raises(InvalidRequest) as err:
         parse_chat_request(body)
     assert err.value.param == param
+
+
+def test_unsupported_fields_at_their_neutral_value_are_accepted():
+    body = {"prompt": "a", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+    assert parse_completion_request(body).prompts == ["a"]
 
 
 def test_extensions_and_stream_options():

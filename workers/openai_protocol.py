@@ -14,8 +14,8 @@ from workers.engine.config import InvalidRequest, SamplingParams
 from workers.engine.outputs import CompletionOutput, TokenLogprob
 
 COMPLETIONS_ENDPOINT = "/v1/completions"
-# Fields OpenAI defines that llmq does not implement: accepted only at their neutral value.
-_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix")
+# Fields OpenAI defines that llmq does not implement: accepted only null or at their neutral value.
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,12 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for field in _UNSUPPORTED:
-        if body.get(field) not in (None, 0, {}, ""):
-            raise InvalidRequest(f"{field} is not supported by llmq", field)
+    for field, neutral in _UNSUPPORTED.items():
+        value = body.get(field)
+        # Each field's own neutral value only (suffix {} or presence_penalty "" say something else);
+        # bool is excluded because False == 0 in Python.
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise InvalidRequest(f"{field} is not supported by llmq (send {json.dumps(neutral)} or null)", field)
 
 
 def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
