@@ -53,6 +53,7 @@ def test_prompt_forms(prompt, expected):
     ({"prompt": "a", "suffix": {}}, "suffix"),
     ({"prompt": "a", "logit_bias": ""}, "logit_bias"),
     ({"prompt": "a", "presence_penalty": False}, "presence_penalty"),
+    ({"prompt": "a", "stream_options": False}, "stream_options"),  # was read as no options
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(InvalidRequest) as err:
@@ -62,6 +63,8 @@ def test_bad_fields_are_named(body, param):
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": "hi"}], "user": True}, "user"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": {}}, "top_logprobs"),  # ignored without logprobs
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),
 ])

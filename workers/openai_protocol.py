@@ -71,7 +71,7 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
 
 def _envelope(body: dict) -> tuple[str | None, bool, bool]:
     """(model, stream, stream_options.include_usage), checked; and user, which is stored as given."""
-    stream_options = body.get("stream_options") or {}
+    stream_options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
     include_usage = stream_options.get("include_usage")
@@ -251,6 +251,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         clean.append({"role": message["role"], "content": _message_text(message.get("content", ""), i)})
     _refuse_unsupported(body)
     top_logprobs = _default(body, "top_logprobs", 0)
+    # Checked even when logprobs is off, so a wrong value is named rather than silently ignored.
+    if not (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool) and 0 <= top_logprobs <= 20):
+        raise InvalidRequest(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}", "top_logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = _sampling_params(body, 16 if max_tokens is None else max_tokens,
                               top_logprobs if _flag(body, "logprobs") else None)
