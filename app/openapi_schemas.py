@@ -90,7 +90,7 @@ COMPLETION_REQUEST = {
     },
 }
 
-_TEXT_PART = {"type": "object", "required": ["type"],
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 
 CHAT_COMPLETION_REQUEST = {

@@ -65,6 +65,9 @@ def test_bad_fields_are_named(body, param):
     ({"messages": [{"role": "user", "content": "hi"}], "user": True}, "user"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": {}}, "top_logprobs"),  # ignored without logprobs
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    # A text part's text was passed through str(): {} became the text "{}".
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),
 ])
@@ -77,6 +80,11 @@ def test_bad_chat_envelope_fields_are_named(body, param):
 def test_unsupported_fields_at_their_neutral_value_are_accepted():
     body = {"prompt": "a", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
     assert parse_completion_request(body).prompts == ["a"]
+
+
+def test_chat_text_parts_are_joined():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert parse_chat_request(body).messages == [{"role": "user", "content": "ab"}]
 
 
 def test_extensions_and_stream_options():

@@ -232,9 +232,11 @@ class ChatRequest:
 def _message_text(content, index: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts "
+                         '({"type": "text", "text": "..."})', f"messages[{index}].content")
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
