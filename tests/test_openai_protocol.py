@@ -68,6 +68,9 @@ def test_bad_fields_are_named(body, param):
     # A text part's text was passed through str(): {} became the text "{}".
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": {}}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    # max_completion_tokens wins, and max_tokens beside it went unchecked.
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": "x"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),
 ])

@@ -256,6 +256,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     # Checked even when logprobs is off, so a wrong value is named rather than silently ignored.
     if not (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool) and 0 <= top_logprobs <= 20):
         raise InvalidRequest(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}", "top_logprobs")
+    for field in ("max_tokens", "max_completion_tokens"):  # both checked: the one not used must not be wrong
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidRequest(f"{field} must be an integer >= 1, got {value!r}", field)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = _sampling_params(body, 16 if max_tokens is None else max_tokens,
                               top_logprobs if _flag(body, "logprobs") else None)
