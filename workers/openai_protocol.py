@@ -70,7 +70,7 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
 
 
 def _envelope(body: dict) -> tuple[str | None, bool, bool]:
-    """(model, stream, stream_options.include_usage), checked; and user, which is stored as given."""
+    """(model, stream, stream_options.include_usage), checked. user is checked too, and kept as given."""
     stream_options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
