@@ -148,7 +148,8 @@ PATHS = {
                      "Reconnect with Last-Event-ID to get the rest and nothing twice."),
         parameters=[_path_id("request_id", "cmpl-0123456789abcdef01234567"),
                     {"name": "Last-Event-ID", "in": "header", "required": False, "schema": _STREAM_ENTRY_ID,
-                     "description": "the id of the last event received (empty: from the first event)"},
+                     "description": ("the id of the last event received (empty: from the first event); "
+                                     "each part is below 2**64")},
                     {"name": "last_event_id", "in": "query", "required": False, "schema": _STREAM_ENTRY_ID,
                      "description": "the same, for clients that cannot set headers"},
                     {"name": "cancel_on_disconnect", "in": "query", "required": False,
