@@ -5,7 +5,7 @@ import pytest
 
 from workers.engine.config import InvalidRequest
 from workers.openai_protocol import (BatchLineError, batch_error_line, batch_output_line, parse_batch_line,
-                                     parse_completion_request)
+                                     parse_chat_request, parse_completion_request)
 
 
 def test_defaults_follow_openai():
@@ -46,11 +46,48 @@ def test_prompt_forms(prompt, expected):
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "model": 7}, "model"),
+    # Found by the OpenAPI fuzz test: these were accepted (a list counted as include_usage: true).
+    ({"prompt": "a", "user": 5}, "user"),
+    ({"prompt": "a", "stream_options": {"include_usage": [1]}}, "stream_options.include_usage"),
+    # Found by the OpenAPI fuzz test: any of 0, {} and "" passed as neutral for every unsupported field.
+    ({"prompt": "a", "suffix": {}}, "suffix"),
+    ({"prompt": "a", "logit_bias": ""}, "logit_bias"),
+    ({"prompt": "a", "presence_penalty": False}, "presence_penalty"),
+    ({"prompt": "a", "stream_options": False}, "stream_options"),  # was read as no options
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(InvalidRequest) as err:
         parse_completion_request(body)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "user": True}, "user"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": {}}, "top_logprobs"),  # ignored without logprobs
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    # A text part's text was passed through str(): {} became the text "{}".
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": {}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    # max_completion_tokens wins, and max_tokens beside it went unchecked.
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": "x"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+])
+def test_bad_chat_envelope_fields_are_named(body, param):
+    with pytest.raises(InvalidRequest) as err:
+        parse_chat_request(body)
+    assert err.value.param == param
+
+
+def test_unsupported_fields_at_their_neutral_value_are_accepted():
+    body = {"prompt": "a", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+    assert parse_completion_request(body).prompts == ["a"]
+
+
+def test_chat_text_parts_are_joined():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert parse_chat_request(body).messages == [{"role": "user", "content": "ab"}]
 
 
 def test_extensions_and_stream_options():

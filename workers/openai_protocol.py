@@ -14,8 +14,8 @@ from workers.engine.config import InvalidRequest, SamplingParams
 from workers.engine.outputs import CompletionOutput, TokenLogprob
 
 COMPLETIONS_ENDPOINT = "/v1/completions"
-# Fields OpenAI defines that llmq does not implement: accepted only at their neutral value.
-_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix")
+# Fields OpenAI defines that llmq does not implement: accepted only null or at their neutral value.
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,12 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for field in _UNSUPPORTED:
-        if body.get(field) not in (None, 0, {}, ""):
-            raise InvalidRequest(f"{field} is not supported by llmq", field)
+    for field, neutral in _UNSUPPORTED.items():
+        value = body.get(field)
+        # Each field's own neutral value only (suffix {} or presence_penalty "" say something else);
+        # bool is excluded because False == 0 in Python.
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise InvalidRequest(f"{field} is not supported by llmq (send {json.dumps(neutral)} or null)", field)
 
 
 def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
@@ -67,14 +70,19 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
 
 
 def _envelope(body: dict) -> tuple[str | None, bool, bool]:
-    """(model, stream, stream_options.include_usage), checked."""
-    stream_options = body.get("stream_options") or {}
+    """(model, stream, stream_options.include_usage), checked. user is checked too, and kept as given."""
+    stream_options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InvalidRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model must be a string", "model")
-    return model, _flag(body, "stream"), bool(stream_options.get("include_usage"))
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequest("user must be a string", "user")
+    return model, _flag(body, "stream"), bool(include_usage)
 
 
 def _default(body: dict, field: str, default):
@@ -224,9 +232,11 @@ class ChatRequest:
 def _message_text(content, index: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts "
+                         '({"type": "text", "text": "..."})', f"messages[{index}].content")
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -243,6 +253,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         clean.append({"role": message["role"], "content": _message_text(message.get("content", ""), i)})
     _refuse_unsupported(body)
     top_logprobs = _default(body, "top_logprobs", 0)
+    # Checked even when logprobs is off, so a wrong value is named rather than silently ignored.
+    if not (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool) and 0 <= top_logprobs <= 20):
+        raise InvalidRequest(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}", "top_logprobs")
+    for field in ("max_tokens", "max_completion_tokens"):  # both checked: the one not used must not be wrong
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidRequest(f"{field} must be an integer >= 1, got {value!r}", field)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = _sampling_params(body, 16 if max_tokens is None else max_tokens,
                               top_logprobs if _flag(body, "logprobs") else None)

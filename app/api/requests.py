@@ -40,6 +40,7 @@ blueprint = Blueprint("requests", __name__, url_prefix="/v1")
 TERMINAL = ("completed", "failed", "cancelled")
 _ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+_MAX_STREAM_ID_PART = 1 << 64  # a Redis stream entry id is two unsigned 64-bit integers
 
 
 @blueprint.post("/requests")
@@ -83,6 +84,9 @@ def request_events(request_id: str):
     last_id = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0-0"
     if not _STREAM_ID.match(last_id):
         raise APIError(400, f"Last-Event-ID must be a stream entry id such as 0-12 (the id of the last event received), got {last_id!r}",
+                       param="last_event_id", code="invalid_request")
+    if max(_id_key(last_id)) >= _MAX_STREAM_ID_PART:  # Redis refuses such an id: that was a 500
+        raise APIError(400, f"Last-Event-ID {last_id!r} is past any stream entry id (each part is below 2**64)",
                        param="last_event_id", code="invalid_request")
     cancel_on_disconnect = request.args.get("cancel_on_disconnect", "false").lower() in ("true", "1", "yes")
     redis = common.redis_client()

@@ -194,6 +194,15 @@ def test_unknown_request_ids_are_404(client):
         assert "cmpl-nope" in err["message"]
 
 
+def test_last_event_id_past_redis_range_is_a_400(client, worker):
+    # Found checking the OpenAPI description's bounds: Redis refused the id, and the client got a 500.
+    request_id = client.post("/v1/requests", json={"model": MODEL, "prompt": "hi"}).get_json()["id"]
+    for last_id in ("18446744073709551616", "1-18446744073709551616", "99999999999999999999999-0"):
+        err = assert_error(client.get(f"/v1/requests/{request_id}/events", headers={"Last-Event-ID": last_id}), 400,
+                           param="last_event_id", code="invalid_request")
+        assert last_id in err["message"]
+
+
 def test_requests_refuses_prompt_and_messages_together(client, worker):
     body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
     assert_error(client.post("/v1/requests", json=body), 400, param="messages")

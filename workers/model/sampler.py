@@ -11,6 +11,8 @@ import torch
 from workers.engine.outputs import TokenLogprob
 from workers.engine.sequence import Sequence
 
+MIN_TEMPERATURE = 1e-5  # float32 logits / 1e-5 stay finite, and sampling at it is greedy in effect
+
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits float32 [S, vocab], row i for seqs[i]. Returns the token ids and, for sequences that
@@ -54,19 +56,24 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 def _truncated_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Temperature, then top-k, then top-p; each row independent of the others."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    # Any valid request must sample, never fail the step (which fails the whole batch): a temperature
+    # that float32 rounds to 0 (1e-300) would divide by zero, so it is raised to MIN_TEMPERATURE,
+    # which is already greedy in effect; a top_k past the vocabulary (1e30) means no top-k.
+    temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device,
+                               dtype=logits.dtype)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     if (top_k < vocab).any() or (top_p < 1).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= top_k[:, None]
         sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # Keep the smallest set of tokens whose mass reaches top_p (always at least the first).
+        # Keep the smallest set of tokens whose mass reaches top_p, and always the first: a top_p that
+        # float32 rounds to 0 (1e-300) would otherwise drop every token.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
+        drop |= (mass_before >= top_p[:, None]) & (ranks > 0)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.softmax(logits, dim=-1)
 
