@@ -116,8 +116,10 @@ BATCH_CREATE = {
     "properties": {
         "input_file_id": {**_NON_EMPTY_STRING, "description": "a file uploaded with purpose 'batch'"},
         "endpoint": {"enum": ["/v1/completions", "/v1/chat/completions"]},
-        "completion_window": {"type": "string", "pattern": "^([1-9]|[1-9][0-9]|1[0-5][0-9]|16[0-8])h$",
-                              "description": "'24h' (as OpenAI), or any whole number of hours from 1h to 168h"},
+        "completion_window": {"type": "string", "pattern": "^[1-9][0-9]{0,5}[smh]$",
+                              "description": "'24h' (as OpenAI), or any whole number of seconds, minutes or hours "
+                                             "('90s', '30m', '72h') up to 168h; a batch still running when it "
+                                             "ends is expired"},
         "metadata": {"type": ["object", "null"], "maxProperties": 16, "propertyNames": {"maxLength": 64},
                      "additionalProperties": {"type": "string", "maxLength": 512}},
     },
