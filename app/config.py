@@ -34,6 +34,10 @@ class Settings:
     embedded_redis_port: int = 6390
     max_upload_bytes: int = 200 * 1024 * 1024
     max_batch_lines: int = 50_000
+    # Server-wide defaults of the per-key limits (app/limits.py); a key's own values override them.
+    rate_limit_rpm: int = 0  # requests per minute per key; 0 = unlimited
+    rate_limit_tpm: int = 0  # tokens per minute per key (prompt + max_tokens x choices); 0 = unlimited
+    max_tokens_limit: int = 0  # the largest max_tokens a request may ask for; 0 = the model's context
     visibility_timeout: int = 3600  # seconds before Redis redelivers an unacknowledged task
     stream_maxlen: int = 10_000  # entries kept per request stream
     stream_ttl: int = 24 * 3600  # seconds a finished request's stream stays replayable
@@ -62,6 +66,9 @@ class Settings:
             embedded_redis_port=_int("LLMQ_EMBEDDED_REDIS_PORT", 6390),
             max_upload_bytes=_int("LLMQ_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
             max_batch_lines=_int("LLMQ_MAX_BATCH_LINES", 50_000),
+            rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", 0),
+            rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", 0),
+            max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", 0),
             visibility_timeout=_int("LLMQ_VISIBILITY_TIMEOUT", 3600),
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", 10_000),
             stream_ttl=_int("LLMQ_STREAM_TTL", 24 * 3600),

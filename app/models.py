@@ -1,4 +1,8 @@
-"""SQLAlchemy tables: requests, files, batches, batch items. Created by the Alembic migrations."""
+"""SQLAlchemy tables: requests, files, batches, batch items, API keys. Created by the Alembic migrations.
+
+Requests, files and batches belong to a tenant (the tenant of the API key that made them, "default"
+on an install without keys); the API shows a tenant only its own rows (app/api/common.owned).
+"""
 from __future__ import annotations
 
 import time
@@ -20,12 +24,22 @@ class Base(DeclarativeBase):
     pass
 
 
+DEFAULT_TENANT = "default"  # who owns everything on an install without API keys (and rows made before keys)
+TENANT_CHARS = 64
+
+
+def tenant_column() -> Mapped[str]:
+    # server_default too, so rows that existed before tenancy (migration 0002) belong to "default".
+    return mapped_column(String(TENANT_CHARS), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT, index=True)
+
+
 class Request(Base):
     """One completion request (a single API call, or one line of a batch), and its result."""
 
     __tablename__ = "requests"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("req_"))
+    tenant: Mapped[str] = tenant_column()
     kind: Mapped[str] = mapped_column(String(16), default="completion")  # completion | chat
     model: Mapped[str] = mapped_column(String(200))
     body: Mapped[dict] = mapped_column(JSON)  # the request body as the client sent it (validated)
@@ -47,6 +61,7 @@ class File(Base):
     __tablename__ = "files"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("file-"))
+    tenant: Mapped[str] = tenant_column()
     filename: Mapped[str] = mapped_column(String(500))
     purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
     bytes: Mapped[int] = mapped_column(Integer)
@@ -59,6 +74,7 @@ class Batch(Base):
     __tablename__ = "batches"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("batch_"))
+    tenant: Mapped[str] = tenant_column()
     endpoint: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(200))
     input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
@@ -96,3 +112,28 @@ class BatchItem(Base):
     status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|completed|failed|cancelled
     request_id: Mapped[str | None] = mapped_column(String(64), default=None)
     result: Mapped[str | None] = mapped_column(Text, default=None)  # the JSONL line for the output/error file
+
+
+class ApiKey(Base):
+    """An API key. Only the SHA-256 of its secret is stored: the secret is shown once, at creation.
+
+    A fast hash is right here (no bcrypt or scrypt): the secrets are 32 random bytes, not passwords a
+    person chose, so there is nothing to guess a dictionary against and brute force over 2^256 is out
+    of reach at any hashing speed; a fast, unsalted hash also lets a request find its key with one
+    indexed lookup. The limit columns override the server-wide defaults (app.config) when set.
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("key_"))
+    tenant: Mapped[str] = mapped_column(String(TENANT_CHARS), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    display_prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to tell keys apart
+    created_at: Mapped[float] = mapped_column(default=now)
+    revoked_at: Mapped[float | None] = mapped_column(default=None)
+    rate_limit_rpm: Mapped[int | None] = mapped_column(Integer, default=None)  # requests per minute; 0 = unlimited
+    rate_limit_tpm: Mapped[int | None] = mapped_column(Integer, default=None)  # tokens per minute; 0 = unlimited
+    max_upload_bytes: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_batch_lines: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_tokens: Mapped[int | None] = mapped_column(Integer, default=None)

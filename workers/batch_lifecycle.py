@@ -188,14 +188,15 @@ def _write_result_files(session: Session, batch: Batch) -> None:
     outputs = [i.result for i in items if i.status == "completed"]
     errors = [i.result for i in items if i.status == "failed"]
     if outputs:
-        batch.output_file_id = _write_file(session, f"{batch.id}_output.jsonl", outputs)
+        batch.output_file_id = _write_file(session, batch.tenant, f"{batch.id}_output.jsonl", outputs)
     if errors:
-        batch.error_file_id = _write_file(session, f"{batch.id}_errors.jsonl", errors)
+        batch.error_file_id = _write_file(session, batch.tenant, f"{batch.id}_errors.jsonl", errors)
 
 
-def _write_file(session: Session, filename: str, lines: list[str]) -> str:
+def _write_file(session: Session, tenant: str, filename: str, lines: list[str]) -> str:
+    """A batch's output or error file, owned by the batch's tenant (only they may read it)."""
     content = ("\n".join(lines) + "\n").encode()
-    file = File(filename=filename, purpose="batch_output", bytes=len(content), content=content)
+    file = File(tenant=tenant, filename=filename, purpose="batch_output", bytes=len(content), content=content)
     session.add(file)
     session.flush()
     return file.id
