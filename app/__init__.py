@@ -14,7 +14,8 @@ from app.database import Database
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    """Application factory: settings, database, Redis, Celery, blueprints, error handlers."""
+    """Application factory: settings, database, Redis, Celery, access (keys, limits, idempotency),
+    blueprints, error handlers."""
     settings = settings or Settings.from_env()
     app = Flask(__name__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -28,9 +29,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["llmq_redis"] = redis_client(redis_url, settings.redis_retry_seconds)
     celery_init_app(app)
 
+    from app import auth
     from app.api import register_blueprints
     from app.errors import register_error_handlers
 
+    app.before_request(auth.authenticate)  # who is calling: g.tenant (401 without a valid key once keys exist)
     register_blueprints(app)
     register_error_handlers(app)
     return app

@@ -14,18 +14,21 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit
 
 
 class APIError(Exception):
+    """An answer in the OpenAI error shape. `headers` go with it (Retry-After on a 429, for one)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.error_type = error_type or _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   error_type: str | None = None):
+                   error_type: str | None = None, headers: dict[str, str] | None = None):
     err = APIError(status, message, param, code, error_type)
     body = {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": err.code}}
-    return jsonify(body), status
+    return jsonify(body), status, headers or {}
 
 
 def not_found(kind: str, object_id: str) -> APIError:
@@ -35,7 +38,7 @@ def not_found(kind: str, object_id: str) -> APIError:
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(err: APIError):
-        return error_response(err.status, err.message, err.param, err.code, err.error_type)
+        return error_response(err.status, err.message, err.param, err.code, err.error_type, err.headers)
 
     @app.errorhandler(InvalidRequest)
     def _invalid(err: InvalidRequest):

@@ -4,6 +4,7 @@
     llmq batch run IN.jsonl OUT.jsonl [--model DIR]     offline bulk job on OpenAI batch lines (resumable)
     llmq demo [--offline]                               a real bulk job end to end on the embedded defaults
     llmq default-model                                  print (and make, once) the default model's folder
+    llmq keys create|list|revoke                        API keys and their tenants (app/keys_cli.py)
 """
 from __future__ import annotations
 
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     default = commands.add_parser("default-model", help="print the default model's folder, making it once")
     default.set_defaults(func=cmd_default_model)
+
+    from app.keys_cli import add_keys_command  # torch-free, like everything here at parse time
+
+    add_keys_command(commands)
     return parser
 
 

@@ -15,8 +15,9 @@ from flask import Blueprint, request
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import defer
 
-from app.api.common import db, enqueue, json_body, redis_client, served_model, settings
-from app.errors import APIError, not_found
+from app.api.common import db, enqueue, json_body, owned, owns, redis_client, served_model, settings
+from app.auth import current_tenant
+from app.errors import APIError
 from app.models import Batch, BatchItem, File
 from app.serializers import batch_object
 from app.streams import request_cancel
@@ -56,14 +57,14 @@ def create_batch():
     model = served_model()
     with db().session() as session:
         file = session.get(File, input_file_id, options=[defer(File.content)])
-        if file is None or file.deleted:
+        if file is None or file.deleted or not owns(file):
             raise APIError(404, f"No file found with id '{input_file_id}'", param="input_file_id",
                            code="not_found")
         if file.purpose != "batch":
             raise APIError(400, f"file '{input_file_id}' has purpose '{file.purpose}'; a batch's input must be "
                                 "uploaded with purpose 'batch'", param="input_file_id", code="invalid_file_purpose")
         created = time.time()
-        batch = Batch(endpoint=endpoint, model=model, input_file_id=input_file_id, completion_window=window,
+        batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id, completion_window=window,
                       status="validating", metadata_=metadata, created_at=created,
                       expires_at=created + window_seconds)
         session.add(batch)
@@ -104,11 +105,11 @@ def list_batches():
     limit = _list_limit(request.args.get("limit"))
     after = request.args.get("after")
     # id breaks ties between batches created in the same instant, so pages never overlap or skip.
-    query = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc())
+    query = select(Batch).where(Batch.tenant == current_tenant()).order_by(Batch.created_at.desc(), Batch.id.desc())
     with db().session() as session:
         if after:
             cursor = session.get(Batch, after)
-            if cursor is None:
+            if cursor is None or not owns(cursor):
                 raise APIError(400, f"after: no batch found with id '{after}' (pass the last_id of the previous page)",
                                param="after", code="invalid_value")
             query = query.where(or_(Batch.created_at < cursor.created_at,
@@ -127,7 +128,8 @@ def cancel_batch(batch_id: str):
     already ended (or is finalizing) cannot be cancelled: 400."""
     with db().session() as session:
         # A conditional update, so a worker finalizing the batch at this moment is never overwritten.
-        moved = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
+        moved = session.execute(update(Batch).where(Batch.id == batch_id, Batch.tenant == current_tenant(),
+                                                    Batch.status.in_(CANCELLABLE))
                                 .values(status="cancelling", cancelling_at=time.time())).rowcount
         batch = _batch(session, batch_id)
         if not moved and batch.status not in ("cancelling", "cancelled"):
@@ -159,10 +161,7 @@ def _stop_running(request_ids: list[str]) -> None:
 
 
 def _batch(session, batch_id: str) -> Batch:
-    batch = session.get(Batch, batch_id)
-    if batch is None:
-        raise not_found("batch", batch_id)
-    return batch
+    return owned(session, Batch, batch_id, "batch")
 
 
 def _completion_window(value) -> tuple[str, int]:

@@ -1,4 +1,5 @@
-"""What every blueprint needs: the database, Redis, settings, the served model, task submission."""
+"""What every blueprint needs: the database, Redis, settings, the served model, task submission, and
+the caller's own rows (tenancy)."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,9 +7,12 @@ from typing import Any
 import redis
 from flask import current_app, request
 
+from sqlalchemy.orm import Session
+
+from app.auth import current_tenant
 from app.config import Settings, queue_name
 from app.database import Database
-from app.errors import APIError
+from app.errors import APIError, not_found
 
 
 def settings() -> Settings:
@@ -68,3 +72,17 @@ def tokenizer():
 
         tok = current_app.extensions["llmq_tokenizer"] = Tokenizer.from_folder(settings().resolved_model_path())
     return tok
+
+
+def owns(row) -> bool:
+    """Whether the caller's tenant owns this request, file or batch row."""
+    return row.tenant == current_tenant()
+
+
+def owned(session: Session, model, object_id: str, kind: str, options: tuple = ()):
+    """The row with this id if the caller's tenant owns it. Otherwise exactly the 404 an unknown id
+    gets, so another tenant's ids reveal nothing, not even that they exist."""
+    row = session.get(model, object_id, options=list(options))
+    if row is None or not owns(row):
+        raise not_found(kind, object_id)
+    return row

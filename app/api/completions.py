@@ -17,6 +17,7 @@ from flask import Blueprint, Response, current_app, jsonify, stream_with_context
 
 from app import completion_stream
 from app.api import common
+from app.auth import current_tenant
 from app.completion_stream import ChunkBuilder, ResponseSpec, StreamState
 from app.errors import APIError
 from app.models import Request, new_id
@@ -49,9 +50,9 @@ class Submitted:
 
 
 def submit(kind: str, body: dict) -> Submitted:
-    """Validate a completion or chat body, store it as a queued Request row and enqueue its task.
-    Raises APIError or InvalidRequest (both answered in the OpenAI error shape); nothing is stored
-    or queued for a body that is refused."""
+    """Validate a completion or chat body, store it as a queued
+    Request row of the caller's tenant and enqueue its task. Raises APIError or InvalidRequest (both
+    answered in the OpenAI error shape); nothing is stored or queued for a body that is refused."""
     model = common.check_model(body.get("model"))
     tokenizer = common.tokenizer()
     if kind == "chat":
@@ -67,7 +68,7 @@ def submit(kind: str, body: dict) -> Submitted:
 
     request_id = new_id("chatcmpl-" if kind == "chat" else "cmpl-")
     with common.db().session() as session:
-        row = Request(id=request_id, kind=kind, model=model, body=body, status="queued")
+        row = Request(id=request_id, tenant=current_tenant(), kind=kind, model=model, body=body, status="queued")
         session.add(row)
     try:
         common.enqueue("llmq.complete", [request_id], model)
@@ -130,8 +131,12 @@ def _model_config() -> ModelConfig:
 # ---- answering -----------------------------------------------------------------------------
 
 def answer(submitted: Submitted):
-    spec = submitted.spec
-    if submitted.stream:
+    return respond(submitted.spec, submitted.stream)
+
+
+def respond(spec: ResponseSpec, stream: bool):
+    """The answer to a submitted request, built from its events from the start: streamed or waited for."""
+    if stream:
         return event_stream_response(completion_chunks(spec, common.redis_client(), common.tokenizer().token_text,
                                                        common.settings().stream_ttl))
     return wait_for_response(spec)

@@ -12,7 +12,8 @@ from flask import Blueprint, request, send_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session, defer
 
-from app.api.common import db, settings
+from app.api.common import db, owned, settings
+from app.auth import current_tenant
 from app.errors import APIError, not_found
 from app.models import File
 from app.serializers import file_deleted_object, file_object
@@ -49,7 +50,8 @@ def upload_file():
                             "(LLMQ_MAX_UPLOAD_BYTES)", param="file", code="request_too_large")
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     with db().session() as session:
-        file = File(filename=filename, purpose=purpose, bytes=len(content), content=content)
+        file = File(tenant=current_tenant(), filename=filename, purpose=purpose, bytes=len(content),
+                    content=content)
         session.add(file)
         session.flush()  # assigns created_at
         return file_object(file)
@@ -57,9 +59,10 @@ def upload_file():
 
 @blueprint.get("/files")
 def list_files():
-    """Every file not deleted, newest first. llmq keeps few files (batch inputs and outputs), so the
-    list is one page: has_more is always false. `purpose` filters, as in OpenAI's API."""
-    query = (select(File).where(File.deleted.is_(False)).options(defer(File.content))  # metadata only
+    """The caller's files not deleted, newest first. llmq keeps few files (batch inputs and outputs), so
+    the list is one page: has_more is always false. `purpose` filters, as in OpenAI's API."""
+    query = (select(File).where(File.tenant == current_tenant(), File.deleted.is_(False))
+             .options(defer(File.content))  # metadata only
              .order_by(File.created_at.desc(), File.id.desc()))
     purpose = request.args.get("purpose")
     if purpose:
@@ -95,9 +98,9 @@ def delete_file(file_id: str):
 
 
 def _live_file(session: Session, file_id: str, with_content: bool = False) -> File:
-    """The file, unless it never existed or was deleted (404 in the OpenAI shape). Its bytes are read
-    only when asked for: they can be hundreds of megabytes."""
-    file = session.get(File, file_id, options=[] if with_content else [defer(File.content)])
-    if file is None or file.deleted:
+    """The caller's file, unless it never existed or was deleted (404 in the OpenAI shape, as for
+    another tenant's). Its bytes are read only when asked for: they can be hundreds of megabytes."""
+    file = owned(session, File, file_id, "file", options=() if with_content else (defer(File.content),))
+    if file.deleted:
         raise not_found("file", file_id)
     return file

@@ -30,7 +30,7 @@ from sqlalchemy import update
 from app import completion_stream
 from app.api import common
 from app.api.completions import submit
-from app.errors import APIError, not_found
+from app.errors import APIError
 from app.models import Request
 from app.streams import publish_events, read_events, request_cancel, stream_key
 from workers.publisher import StreamPublisher
@@ -158,11 +158,10 @@ def _stream_events(request_id: str) -> list[dict]:
 
 
 def _row(request_id: str) -> Request:
+    """The caller's request (404 for another tenant's, as for an unknown id). Every route here reads
+    a request's Redis stream only after this check: the stream is reached only through its row."""
     with common.db().session() as session:
-        row = session.get(Request, request_id)
-    if row is None:
-        raise not_found("request", request_id)
-    return row
+        return common.owned(session, Request, request_id, "request")
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -1,0 +1,86 @@
+"""Who is calling: the API key sent as `Authorization: Bearer llmq-...`, and the tenant it belongs to.
+
+A fresh install has no keys and is open: every call runs as tenant "default", with no key. Once any
+key exists, even a revoked one (revoking the last key must not open the server again), every call
+but the health checks needs a valid, unrevoked key, else 401 in the OpenAI shape saying what is
+wrong. `authenticate` runs before every request (registered in create_app) and leaves the caller
+on flask.g: `g.tenant`, and `g.api_key` (the ApiKey row, or None on an open install).
+"""
+from __future__ import annotations
+
+from flask import current_app, g, request
+
+from app.api_keys import SECRET_PATTERN, any_key_exists, find_key
+from app.database import Database
+from app.errors import APIError
+from app.models import DEFAULT_TENANT, ApiKey
+
+# Load balancers probe these without a key; every route of these blueprints is open.
+PUBLIC_BLUEPRINTS = ("health",)
+_KEYS_IN_USE = "llmq_keys_in_use"
+
+
+def is_public() -> bool:
+    return request.blueprint in PUBLIC_BLUEPRINTS
+
+
+def current_tenant() -> str:
+    return g.tenant
+
+
+def current_key() -> ApiKey | None:
+    return g.get("api_key")
+
+
+def authenticate() -> None:
+    """before_request: set g.tenant and g.api_key, or raise 401."""
+    if is_public():
+        return
+    database: Database = current_app.extensions["llmq_db"]
+    if not _keys_in_use(database):
+        g.tenant, g.api_key = DEFAULT_TENANT, None
+        return
+    secret = _bearer_secret()
+    with database.session() as session:
+        key = find_key(session, secret)
+    if key is None:
+        raise unauthorized(f"Incorrect API key provided: {secret[:12]}... No key with this secret exists on "
+                           "this server (keys are listed with `llmq keys list`).")
+    if key.revoked_at is not None:
+        raise unauthorized(f"The API key {key.display_prefix}... ({key.id}) has been revoked. Ask for a new key "
+                           "(`llmq keys create --tenant ...`).")
+    g.tenant, g.api_key = key.tenant, key
+
+
+def unauthorized(message: str) -> APIError:
+    # OpenAI answers a bad key with type invalid_request_error and code invalid_api_key; clients match on those.
+    return APIError(401, message, code="invalid_api_key", error_type="invalid_request_error",
+                    headers={"WWW-Authenticate": 'Bearer realm="llmq"'})
+
+
+def _keys_in_use(database: Database) -> bool:
+    """Keys are never deleted, so once any exists the answer stays yes: cached for the process. While
+    none does, every call asks, so the first key (made by `llmq keys create`) closes the server at once."""
+    if current_app.extensions.get(_KEYS_IN_USE):
+        return True
+    with database.session() as session:
+        in_use = any_key_exists(session)
+    if in_use:
+        current_app.extensions[_KEYS_IN_USE] = True
+    return in_use
+
+
+def _bearer_secret() -> str:
+    header = request.headers.get("Authorization")
+    if not header:
+        raise unauthorized("You didn't provide an API key. This server requires one: send it in the "
+                           "Authorization header, as 'Authorization: Bearer llmq-...'.")
+    scheme, _, secret = header.partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        raise unauthorized(f"Malformed Authorization header: it must be 'Bearer <key>', but its scheme is "
+                           f"{scheme[:20]!r}{'' if secret else ' with no key after it'}.")
+    if not SECRET_PATTERN.fullmatch(secret):
+        raise unauthorized("Malformed API key: llmq keys look like 'llmq-' followed by 43 letters, digits, '-' "
+                           "or '_' (as `llmq keys create` printed it).")
+    return secret
