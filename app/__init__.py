@@ -29,11 +29,14 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["llmq_redis"] = redis_client(redis_url, settings.redis_retry_seconds)
     celery_init_app(app)
 
-    from app import auth
+    from app import auth, limits
     from app.api import register_blueprints
     from app.errors import register_error_handlers
 
-    app.before_request(auth.authenticate)  # who is calling: g.tenant (401 without a valid key once keys exist)
+    # In this order, before every request: who is calling (g.tenant; 401 without a valid key once keys
+    # exist), then the key's request rate (429).
+    app.before_request(auth.authenticate)
+    app.before_request(limits.limit_request_rate)
     register_blueprints(app)
     register_error_handlers(app)
     return app

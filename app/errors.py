@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from workers.engine.config import InvalidRequest
@@ -49,7 +49,8 @@ def register_error_handlers(app: Flask) -> None:
         messages = {
             404: "Not found: no such endpoint (see README for the API)",
             405: f"Method not allowed: {err.description}",
-            413: "The upload is larger than this server accepts (LLMQ_MAX_UPLOAD_BYTES)",
+            413: f"The upload is larger than this server accepts from you: at most {request.max_content_length} "
+                 "bytes (LLMQ_MAX_UPLOAD_BYTES, or your API key's own limit)",
         }
         message = messages.get(err.code, err.description)
         return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)

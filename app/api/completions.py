@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from flask import Blueprint, Response, current_app, jsonify, stream_with_context
 
-from app import completion_stream
+from app import completion_stream, limits
 from app.api import common
 from app.auth import current_tenant
 from app.completion_stream import ChunkBuilder, ResponseSpec, StreamState
@@ -50,7 +50,7 @@ class Submitted:
 
 
 def submit(kind: str, body: dict) -> Submitted:
-    """Validate a completion or chat body, store it as a queued
+    """Validate a completion or chat body, check it against the caller's limits, store it as a queued
     Request row of the caller's tenant and enqueue its task. Raises APIError or InvalidRequest (both
     answered in the OpenAI error shape); nothing is stored or queued for a body that is refused."""
     model = common.check_model(body.get("model"))
@@ -64,7 +64,11 @@ def submit(kind: str, body: dict) -> Submitted:
         params, stream, include_usage, echo = (completion.params, completion.stream, completion.include_usage,
                                                completion.echo)
         prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in completion.prompts]
+    limits.check_max_tokens(params.max_tokens, "max_completion_tokens" if "max_completion_tokens" in body
+                            else "max_tokens")
     _check_fits(prompt_ids, params.max_tokens, params.n)
+    # Charged at submission for what the request may use: its prompts and every choice's max_tokens.
+    limits.charge_tokens(sum(len(ids) for ids in prompt_ids) + params.max_tokens * params.n * len(prompt_ids))
 
     request_id = new_id("chatcmpl-" if kind == "chat" else "cmpl-")
     with common.db().session() as session:

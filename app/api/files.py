@@ -12,9 +12,10 @@ from flask import Blueprint, request, send_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session, defer
 
-from app.api.common import db, owned, settings
+from app.api.common import db, owned
 from app.auth import current_tenant
 from app.errors import APIError, not_found
+from app.limits import check_batch_lines, current_limits
 from app.models import File
 from app.serializers import file_deleted_object, file_object
 
@@ -27,9 +28,9 @@ MAX_FILENAME_CHARS = 500  # the width of files.filename
 
 @blueprint.post("/files")
 def upload_file():
-    # Touching request.files parses the multipart body. A body over MAX_CONTENT_LENGTH (set from
-    # max_upload_bytes in create_app) makes Werkzeug raise 413 right here, before it is read into
-    # memory; app.errors turns that into the OpenAI error shape.
+    # Touching request.files parses the multipart body. A body over the caller's upload limit (set as
+    # request.max_content_length by app.limits) makes Werkzeug raise 413 right here, before it is read
+    # into memory; app.errors turns that into the OpenAI error shape.
     upload = request.files.get("file")
     purpose = request.form.get("purpose")
     if upload is None:
@@ -43,11 +44,14 @@ def upload_file():
                             f"{' or '.join(repr(p) for p in UPLOAD_PURPOSES)}", param="purpose",
                        code="invalid_purpose")
     content = upload.read()
-    limit = settings().max_upload_bytes
-    # MAX_CONTENT_LENGTH bounds the whole request; this also covers a body without Content-Length.
+    limit = current_limits().max_upload_bytes
+    # max_content_length bounds the whole request; this also covers a body without Content-Length.
     if len(content) > limit:
-        raise APIError(413, f"the file is {len(content)} bytes; this server accepts at most {limit} "
-                            "(LLMQ_MAX_UPLOAD_BYTES)", param="file", code="request_too_large")
+        raise APIError(413, f"the file is {len(content)} bytes; this server accepts at most {limit} from you "
+                            "(LLMQ_MAX_UPLOAD_BYTES, or your API key's own limit)", param="file",
+                       code="request_too_large")
+    if purpose == "batch":  # refused now rather than failing the batch made from it later
+        check_batch_lines(sum(1 for line in content.splitlines() if line.strip()))
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     with db().session() as session:
         file = File(tenant=current_tenant(), filename=filename, purpose=purpose, bytes=len(content),
