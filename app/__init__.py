@@ -29,14 +29,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["llmq_redis"] = redis_client(redis_url, settings.redis_retry_seconds)
     celery_init_app(app)
 
-    from app import auth, limits
+    from app import auth, idempotency, limits
     from app.api import register_blueprints
     from app.errors import register_error_handlers
 
     # In this order, before every request: who is calling (g.tenant; 401 without a valid key once keys
-    # exist), then the key's request rate (429).
+    # exist), then the key's request rate (429), then a retried POST's first answer (Idempotency-Key).
     app.before_request(auth.authenticate)
     app.before_request(limits.limit_request_rate)
+    idempotency.init_app(app)
     register_blueprints(app)
     register_error_handlers(app)
     return app

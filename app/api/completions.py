@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from flask import Blueprint, Response, current_app, jsonify, stream_with_context
 
-from app import completion_stream, limits
+from app import completion_stream, idempotency, limits
 from app.api import common
 from app.auth import current_tenant
 from app.completion_stream import ChunkBuilder, ResponseSpec, StreamState
@@ -135,6 +135,7 @@ def _model_config() -> ModelConfig:
 # ---- answering -----------------------------------------------------------------------------
 
 def answer(submitted: Submitted):
+    idempotency.follow(submitted.spec, submitted.stream)  # a retry now answers from this same request
     return respond(submitted.spec, submitted.stream)
 
 
