@@ -85,7 +85,9 @@ def follow(spec: ResponseSpec, stream: bool) -> None:
     events: a duplicate from now on answers from the same request. No-op without an Idempotency-Key."""
     claim: Claim | None = g.get("idempotency_claim")
     if claim is not None:
-        _update_own_record(claim, {"state": "following", "spec": asdict(spec), "stream": stream})
+        # Kept no longer than the request's stream may live: a duplicate follows that stream.
+        ttl = min(TTL_SECONDS, current_app.config["LLMQ"].stream_ttl)
+        _update_own_record(claim, {"state": "following", "spec": asdict(spec), "stream": stream}, ttl)
 
 
 def finish(response: Response) -> Response:
@@ -128,10 +130,10 @@ def _in_progress() -> APIError:
                     headers={"Retry-After": "1"})
 
 
-def _update_own_record(claim: Claim, fields: dict | None) -> None:
+def _update_own_record(claim: Claim, fields: dict | None, ttl: int = TTL_SECONDS) -> None:
     value = "" if fields is None else json.dumps({**fields, "attempt": claim.attempt,
                                                   "fingerprint": claim.fingerprint})
-    _redis().register_script(_UPDATE_OWN_RECORD)(keys=[claim.redis_key], args=[claim.attempt, value, TTL_SECONDS])
+    _redis().register_script(_UPDATE_OWN_RECORD)(keys=[claim.redis_key], args=[claim.attempt, value, ttl])
 
 
 def _idempotency_key() -> str:

@@ -54,18 +54,19 @@ class Limits:
 
     @classmethod
     def effective(cls, settings: Settings, key: ApiKey | None) -> "Limits":
-        def pick(own: int | None, default: int) -> int:
+        def pick(column: str, default: int) -> int:
+            """The key's own value of `column`, else the server's (always the server's without a key)."""
+            own = None if key is None else getattr(key, column)
             return default if own is None else own
 
-        own = key or ApiKey()  # an open install: every column None, so the defaults
         return cls(
-            requests_per_minute=pick(own.rate_limit_rpm, settings.rate_limit_rpm),
-            tokens_per_minute=pick(own.rate_limit_tpm, settings.rate_limit_tpm),
-            max_upload_bytes=pick(own.max_upload_bytes, settings.max_upload_bytes),
+            requests_per_minute=pick("rate_limit_rpm", settings.rate_limit_rpm),
+            tokens_per_minute=pick("rate_limit_tpm", settings.rate_limit_tpm),
+            max_upload_bytes=pick("max_upload_bytes", settings.max_upload_bytes),
             # The workers refuse a file over LLMQ_MAX_BATCH_LINES whatever the key says, so a key can
             # only lower it; checking here too refuses such a file at upload, with a clearer message.
-            max_batch_lines=min(pick(own.max_batch_lines, settings.max_batch_lines), settings.max_batch_lines),
-            max_tokens=pick(own.max_tokens, settings.max_tokens_limit),
+            max_batch_lines=min(pick("max_batch_lines", settings.max_batch_lines), settings.max_batch_lines),
+            max_tokens=pick("max_tokens", settings.max_tokens_limit),
         )
 
 

@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -159,3 +160,16 @@ def test_cli_says_to_migrate_an_unmigrated_database(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'empty.db'}")
     assert cli.main(["keys", "list"]) == 2
     assert "alembic upgrade head" in capsys.readouterr().err
+
+
+def test_access_modules_and_the_keys_command_do_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, app.auth, app.api_keys, app.limits, app.idempotency, app.keys_cli; "
+            "from workers import cli; cli.main(['keys', 'list']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                          env={"DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
