@@ -64,8 +64,8 @@ def create_batch():
             raise APIError(400, f"file '{input_file_id}' has purpose '{file.purpose}'; a batch's input must be "
                                 "uploaded with purpose 'batch'", param="input_file_id", code="invalid_file_purpose")
         created = time.time()
-        batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id, completion_window=window,
-                      status="validating", metadata_=metadata, created_at=created,
+        batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id,
+                      completion_window=window, status="validating", metadata_=metadata, created_at=created,
                       expires_at=created + window_seconds)
         session.add(batch)
     # Queued only after the row is committed, so the worker always finds it.
@@ -105,7 +105,8 @@ def list_batches():
     limit = _list_limit(request.args.get("limit"))
     after = request.args.get("after")
     # id breaks ties between batches created in the same instant, so pages never overlap or skip.
-    query = select(Batch).where(Batch.tenant == current_tenant()).order_by(Batch.created_at.desc(), Batch.id.desc())
+    query = (select(Batch).where(Batch.tenant == current_tenant())
+             .order_by(Batch.created_at.desc(), Batch.id.desc()))
     with db().session() as session:
         if after:
             cursor = session.get(Batch, after)

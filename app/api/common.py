@@ -6,7 +6,6 @@ from typing import Any
 
 import redis
 from flask import current_app, request
-
 from sqlalchemy.orm import Session
 
 from app.auth import current_tenant
