@@ -15,8 +15,9 @@ from app.database import Database
 from app.errors import APIError
 from app.models import DEFAULT_TENANT, ApiKey
 
-# Load balancers probe these without a key; every route of these blueprints is open.
-PUBLIC_BLUEPRINTS = ("health",)
+# Every route of these blueprints is open: load balancers probe health without a key, and the
+# OpenAPI description is what a client reads before it has one.
+PUBLIC_BLUEPRINTS = ("health", "openapi")
 _KEYS_IN_USE = "llmq_keys_in_use"
 
 

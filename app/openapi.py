@@ -27,25 +27,35 @@ def _errors(*statuses: int) -> dict:
     return {str(status): {"$ref": f"#/components/responses/{_ERROR_RESPONSES[status]}"} for status in statuses}
 
 
-_ERROR_RESPONSES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "TooLarge", 429: "RateLimited",
-                    503: "Unavailable"}
+_ERROR_RESPONSES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 409: "IdempotencyInProgress",
+                    413: "TooLarge", 422: "IdempotencyKeyReused", 429: "RateLimited", 503: "Unavailable"}
 
 RESPONSES = {
     "BadRequest": _error("The request is invalid; `param` names the field and `message` says what is wrong."),
-    "Unauthorized": _error("No valid API key: send `Authorization: Bearer <key>` (authentication_error)."),
+    "Unauthorized": _error("No valid API key (code `invalid_api_key`; the message says whether it is missing, "
+                           "malformed, unknown or revoked): send `Authorization: Bearer <key>`."),
     "NotFound": _error("No such object (or model); `param` names what was looked up."),
     "TooLarge": _error("The upload is larger than this server accepts (LLMQ_MAX_UPLOAD_BYTES)."),
     "RateLimited": {**_error("Too many requests for this key (rate_limit_error); retry after `Retry-After` seconds."),
                     "headers": {"Retry-After": {"description": "seconds to wait before retrying",
                                                 "schema": {"type": "integer", "minimum": 0}}}},
     "Unavailable": _error("The task queue (Redis) is unavailable; try again later."),
+    "IdempotencyInProgress": {
+        **_error("The first request with this Idempotency-Key is still being handled "
+                 "(`idempotency_request_in_progress`); retry after `Retry-After` seconds to get its answer."),
+        "headers": {"Retry-After": {"description": "seconds to wait before retrying",
+                                    "schema": {"type": "integer", "minimum": 0}}}},
+    "IdempotencyKeyReused": _error("This Idempotency-Key was used for a different request (method, path or body) "
+                                   "in the last 24 hours (`idempotency_key_reused`)."),
 }
 
 PARAMETERS = {
     "IdempotencyKey": {
-        "name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
-        "description": "A client-chosen key: a POST repeated with the same key answers as the first one did, "
-                       "without doing the work twice."},
+        "name": "Idempotency-Key", "in": "header", "required": False,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        "description": "A client-chosen key (printable, at most 255 characters): a POST repeated with the same key "
+                       "and the same body within 24 hours answers as the first one did (header "
+                       "`Idempotent-Replayed: true`), without doing the work twice."},
 }
 
 _IDEMPOTENCY_KEY = {"$ref": "#/components/parameters/IdempotencyKey"}
@@ -66,12 +76,15 @@ def _operation(operation_id: str, summary: str, responses: dict, *, tag: str, me
     params = list(parameters or [])
     if method == "post":
         params.append(_IDEMPOTENCY_KEY)
+        # a malformed key; the first attempt still running; the key already used for another request
+        errors = (*errors, 400, 409, 422)
     if params:
         op["parameters"] = params
     if body is not None:
         op["requestBody"] = body
     all_errors = errors if public else (*errors, 401, 429)
-    op["responses"] = {**responses, **_errors(*sorted(set(all_errors)))}
+    # An operation's own description of a status (e.g. a cancelled completion's 409) stays.
+    op["responses"] = {**_errors(*sorted(set(all_errors) - {int(status) for status in responses})), **responses}
     if public:
         op["security"] = []
     return op

@@ -1,5 +1,6 @@
 """API keys: an open install until the first key; then every endpoint but health needs a valid,
-unrevoked Bearer key (401 in the OpenAI shape otherwise); `llmq keys create | list | revoke`.
+unrevoked Bearer key (401 in the OpenAI shape otherwise; health and /openapi.json stay open);
+`llmq keys create | list | revoke`.
 
 Real Redis, a real migrated SQLite database, the real app; the endpoints are read from the app's
 url_map, so a new endpoint is covered without touching this file.
@@ -20,7 +21,7 @@ from app.config import Settings
 from app.models import ApiKey, File
 from workers import cli
 
-PUBLIC_BLUEPRINTS = ("health",)
+PUBLIC_BLUEPRINTS = ("health", "openapi")  # health checks and the OpenAPI description
 
 
 def routes(public: bool) -> list[tuple[str, str]]:
@@ -37,13 +38,14 @@ def routes(public: bool) -> list[tuple[str, str]]:
 
 
 API_ROUTES = routes(public=False)
-HEALTH_ROUTES = routes(public=True)
+PUBLIC_ROUTES = routes(public=True)
 
 
 def test_the_route_lists_are_real():
     # Guards the parametrization below: an empty list would make every test there pass vacuously.
     assert ("POST", "/v1/completions") in API_ROUTES and ("GET", "/v1/files/nope-123/content") in API_ROUTES
-    assert ("GET", "/health") in HEALTH_ROUTES and all(path != "/health" for _, path in API_ROUTES)
+    assert {("GET", "/health"), ("GET", "/openapi.json")} <= set(PUBLIC_ROUTES)
+    assert all(path not in ("/health", "/openapi.json") for _, path in API_ROUTES)
 
 
 def assert_unauthorized(response, words: str) -> None:
@@ -99,8 +101,8 @@ def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(app, 
         assert_unauthorized(client.open(path, method=method, headers=headers, json={}), words)
 
 
-@pytest.mark.parametrize("method,path", HEALTH_ROUTES)
-def test_health_stays_open_with_keys(app, client, new_key, method, path):
+@pytest.mark.parametrize("method,path", PUBLIC_ROUTES)
+def test_health_and_the_openapi_description_stay_open_with_keys(app, client, new_key, method, path):
     new_key(app, "acme")
     assert client.open(path, method=method).status_code == 200
 
