@@ -1,6 +1,5 @@
-"""API keys: an open install until the first key; then every endpoint but health needs a valid,
-unrevoked Bearer key (401 in the OpenAI shape otherwise; health and /openapi.json stay open);
-`llmq keys create | list | revoke`.
+"""API keys: an open install until the first key; then every endpoint but health and /openapi.json
+needs a valid, unrevoked Bearer key (401 in the OpenAI shape otherwise); `llmq keys create | list | revoke`.
 
 Real Redis, a real migrated SQLite database, the real app; the endpoints are read from the app's
 url_map, so a new endpoint is covered without touching this file.
