@@ -15,9 +15,9 @@ from app.database import Database
 from app.errors import APIError
 from app.models import DEFAULT_TENANT, ApiKey
 
-# Every route of these blueprints is open: load balancers probe health without a key, and the
-# OpenAPI description is what a client reads before it has one.
-PUBLIC_BLUEPRINTS = ("health", "openapi")
+# Every route of these blueprints is open: load balancers probe health without a key. Everything
+# else, the OpenAPI description included, is for key holders once keys exist (fetch it with yours).
+PUBLIC_BLUEPRINTS = ("health",)
 _KEYS_IN_USE = "llmq_keys_in_use"
 
 

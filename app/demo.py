@@ -12,8 +12,11 @@ import sys
 import time
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
+from app.api_keys import any_key_exists, create_key, revoke_key
+from app.database import Database
 from app.local_stack import LocalStack
 
 DEMO_PROMPTS = [
@@ -34,8 +37,11 @@ def demo_lines(model: str) -> list[str]:
     return lines
 
 
+_auth: dict[str, str] = {}  # the demo's own key, when the install has keys (see _demo_key)
+
+
 def _call(base: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    request = urllib.request.Request(base + path, data=body, method=method, headers=headers or {})
+    request = urllib.request.Request(base + path, data=body, method=method, headers={**_auth, **(headers or {})})
     with urllib.request.urlopen(request, timeout=60) as response:
         data = response.read()
     return json.loads(data) if response.headers.get_content_type() == "application/json" else data
@@ -49,11 +55,30 @@ def _upload(base: str, filename: str, content: bytes) -> dict:
     return _call(base, "POST", "/v1/files", body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
 
 
+@contextmanager
+def _demo_key(database_url: str):
+    """An install with API keys answers only key holders: the demo makes itself a key (tenant "demo")
+    for the run and revokes it after. An open install needs none."""
+    database = Database(database_url)
+    with database.session() as session:
+        if not any_key_exists(session):
+            yield
+            return
+        key, secret = create_key(session, "demo", "llmq demo")
+    _auth["Authorization"] = f"Bearer {secret}"
+    try:
+        yield
+    finally:
+        _auth.clear()
+        with database.session() as session:
+            revoke_key(session, key.id)
+
+
 def run_demo(home: Path) -> int:
     demo_dir = home / "demo"
     demo_dir.mkdir(parents=True, exist_ok=True)
     print("starting llmq: a private Redis server, SQLite (migrated), one Celery worker, the web server ...")
-    with LocalStack(start_redis=True, log_dir=demo_dir) as stack:
+    with LocalStack(start_redis=True, log_dir=demo_dir) as stack, _demo_key(stack.settings.database_url):
         base = stack.base_url
         model = _call(base, "GET", "/v1/models")["data"][0]["id"]
         print(f"serving {model} at {base} (worker log: {demo_dir / 'worker-w0.log'})")

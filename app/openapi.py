@@ -69,7 +69,7 @@ def _operation(operation_id: str, summary: str, responses: dict, *, tag: str, me
                body: dict | None = None, parameters: list | None = None, errors: tuple = (), public: bool = False,
                description: str | None = None) -> dict:
     """One operation. Every operation may answer 401 and 429 (API keys and rate limits), except the
-    public ones (health, this document); every POST takes an optional Idempotency-Key."""
+    public one (health); every POST takes an optional Idempotency-Key."""
     op = {"operationId": operation_id, "summary": summary, "tags": [tag]}
     if description:
         op["description"] = description
@@ -124,7 +124,8 @@ PATHS = {
         responses={"200": _json({"type": "object", "required": ["status"],
                                  "properties": {"status": {"const": "ok"}}}, "The web process is up")})},
     "/openapi.json": {"get": _operation(
-        "openapi", "This OpenAPI description", tag="service", public=True,
+        "openapi", "This OpenAPI description (a key is needed once keys exist, as everywhere but health)",
+        tag="service",
         responses={"200": _json({"type": "object", "required": ["openapi", "paths"]}, "The OpenAPI 3.1 document")})},
     "/v1/models": {"get": _operation(
         "listModels", "The served model", tag="models", responses={"200": _json(ref("ModelList"), "The models")})},

@@ -49,3 +49,17 @@ def test_offline_demo(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = (tmp_path / "demo-offline" / "output.jsonl").read_text().splitlines()
     assert len(rows) == 20
+
+
+def test_demo_on_an_install_with_api_keys_uses_a_key_of_its_own(tmp_path):
+    """Once keys exist the service answers only key holders: the demo makes itself one, and revokes it."""
+    env = {"LLMQ_HOME": str(tmp_path), "MODEL_PATH": "", "REDIS_URL": "", "DATABASE_URL": ""}
+    migrated = subprocess.run([sys.executable, "-m", "alembic", "-x", f"url=sqlite:///{tmp_path / 'llmq.db'}",
+                               "upgrade", "head"], capture_output=True, text=True)
+    assert migrated.returncode == 0, migrated.stderr
+    assert _llmq("keys", "create", "--tenant", "acme", env=env).returncode == 0
+    result = _llmq("demo", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    keys = [json.loads(line) for line in _llmq("keys", "list", "--json", env=env).stdout.splitlines()]
+    demo_keys = [key for key in keys if key["tenant"] == "demo"]
+    assert len(demo_keys) == 1 and demo_keys[0]["revoked_at"] is not None, keys
