@@ -42,7 +42,7 @@ def authenticate() -> None:
         g.tenant, g.api_key = DEFAULT_TENANT, None
         return
     secret = _bearer_secret()
-    with database.session() as session:
+    with database.read() as session:
         key = find_key(session, secret)
     if key is None:
         raise unauthorized(f"Incorrect API key provided: {secret[:12]}... No key with this secret exists on "
@@ -64,7 +64,7 @@ def _keys_in_use(database: Database) -> bool:
     none does, every call asks, so the first key (made by `llmq keys create`) closes the server at once."""
     if current_app.extensions.get(_KEYS_IN_USE):
         return True
-    with database.session() as session:
+    with database.read() as session:
         in_use = any_key_exists(session)
     if in_use:
         current_app.extensions[_KEYS_IN_USE] = True

@@ -8,6 +8,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 
+READ_ONLY = "llmq_read_only"  # an execution option: this connection's transactions only read
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # Several processes write (web, every worker thread): WAL lets readers run beside the one
@@ -29,7 +32,9 @@ def make_engine(url: str) -> Engine:
             # Take the write lock up front: a transaction that reads and then writes would otherwise
             # fail at once ("database is locked") when another process wrote in between, since SQLite
             # cannot wait out that conflict; up front, the busy timeout makes it wait its turn.
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            # A read-only transaction takes no lock at all: in WAL mode readers never wait for writers.
+            read_only = connection.get_execution_options().get(READ_ONLY, False)
+            connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=40)
@@ -42,9 +47,17 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
     @contextmanager
     def session(self) -> Session:
         """A transaction: committed on success, rolled back on error."""
         with self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Session:
+        """A transaction that only reads. On SQLite it waits for no writer (the hot paths use it: every
+        request's key check, polls, a waiting task's "is it done yet"); writing in it is an error there."""
+        with self._read_sessions() as session, session.begin():
             yield session

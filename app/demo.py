@@ -60,11 +60,11 @@ def _demo_key(database_url: str):
     """An install with API keys answers only key holders: the demo makes itself a key (tenant "demo")
     for the run and revokes it after. An open install needs none."""
     database = Database(database_url)
-    with database.session() as session:
-        if not any_key_exists(session):
-            yield
-            return
-        key, secret = create_key(session, "demo", "llmq demo")
+    with database.session() as session:  # closed before the demo runs: it holds SQLite's write lock
+        key, secret = create_key(session, "demo", "llmq demo") if any_key_exists(session) else (None, None)
+    if key is None:
+        yield
+        return
     _auth["Authorization"] = f"Bearer {secret}"
     try:
         yield

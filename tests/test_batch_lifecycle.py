@@ -3,9 +3,7 @@ past its completion window is expired with the lines already done in its output 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+import shutil
 
 import pytest
 
@@ -13,18 +11,14 @@ from app.database import Database
 from app.models import Batch, BatchItem, File
 from workers import batch_lifecycle
 
-REPO = Path(__file__).resolve().parents[1]
 LINES = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
           "body": {"model": "m", "prompt": f"prompt {i}", "max_tokens": 4}} for i in range(5)]
 
 
 @pytest.fixture()
-def db(tmp_path) -> Database:
-    url = f"sqlite:///{tmp_path / 'llmq.db'}"
-    done = subprocess.run([sys.executable, "-m", "alembic", "-x", f"url={url}", "upgrade", "head"],
-                          cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return Database(url)
+def db(tmp_path, migrated_db) -> Database:
+    shutil.copy(migrated_db, tmp_path / "llmq.db")
+    return Database(f"sqlite:///{tmp_path / 'llmq.db'}")
 
 
 @pytest.fixture()

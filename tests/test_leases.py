@@ -8,23 +8,13 @@ import time
 import pytest
 import redis
 
-from app.embedded_redis import start_redis_server, wait_for_redis
-from app.local_stack import free_port
 from app.streams import lease_key
 from workers.leases import Leases
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    port = free_port()
-    server = start_redis_server(tmp_path_factory.mktemp("redis"), port, daemonize=False)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        wait_for_redis(url)
-        yield redis.Redis.from_url(url)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+def client(redis_url):
+    return redis.Redis.from_url(redis_url)
 
 
 def test_one_owner_at_a_time_and_release_frees_it(client):

@@ -70,7 +70,7 @@ class Sweeper:
     def _orphan_candidates(self) -> dict[tuple[str, str], tuple[str, int]]:
         """Unfinished work of the models whose queue is empty, held by no lease: (task, id) -> (model,
         broker priority)."""
-        with self.db.session() as session:
+        with self.db.read() as session:
             batch_models = set(session.scalars(select(Batch.model).where(Batch.status == "in_progress").distinct()))
             request_models = set(session.scalars(select(Request.model).where(
                 Request.status.in_(("queued", "running")), Request.batch_id.is_(None)).distinct()))
@@ -78,7 +78,7 @@ class Sweeper:
         if not idle_models:
             return {}
         candidates: dict[tuple[str, str], tuple[str, int]] = {}
-        with self.db.session() as session:
+        with self.db.read() as session:
             items = session.execute(select(BatchItem.id, BatchItem.request_id, Batch.model)
                                     .join(Batch, Batch.id == BatchItem.batch_id)
                                     .where(Batch.status == "in_progress", Batch.model.in_(idle_models),

@@ -50,13 +50,13 @@ def _checkpoint(request_id: str) -> StreamProgress | None:
 
 
 def _request_finished(request_id: str) -> bool:
-    with _db().session() as session:
+    with _db().read() as session:
         request = session.get(Request, request_id)
         return request is None or request.status in TERMINAL
 
 
 def _item_finished(item_id: int) -> bool:
-    with _db().session() as session:
+    with _db().read() as session:
         item = session.get(BatchItem, item_id)
         return item is None or item.status in batch_lifecycle.TERMINAL_ITEM_STATES
 

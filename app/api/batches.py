@@ -85,7 +85,7 @@ def create_batch():
 
 @blueprint.get("/batches/<batch_id>")
 def get_batch(batch_id: str):
-    with db().session() as session:
+    with db().read() as session:  # polled often: it waits for no writer
         batch = _batch(session, batch_id)
         overdue = batch.status in CANCELLABLE and batch.expires_at is not None and batch.expires_at <= time.time()
         if not overdue:
@@ -94,7 +94,7 @@ def get_batch(batch_id: str):
     with db().session() as session:
         running = [request_id for _, ids in expire_overdue(session, time.time()) for request_id in ids]
     _stop_running(running)
-    with db().session() as session:
+    with db().read() as session:
         return batch_object(_batch(session, batch_id))
 
 
@@ -107,7 +107,7 @@ def list_batches():
     # id breaks ties between batches created in the same instant, so pages never overlap or skip.
     query = (select(Batch).where(Batch.tenant == current_tenant())
              .order_by(Batch.created_at.desc(), Batch.id.desc()))
-    with db().session() as session:
+    with db().read() as session:
         if after:
             cursor = session.get(Batch, after)
             if cursor is None or not owns(cursor):

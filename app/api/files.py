@@ -71,20 +71,20 @@ def list_files():
     purpose = request.args.get("purpose")
     if purpose:
         query = query.where(File.purpose == purpose)
-    with db().session() as session:
+    with db().read() as session:
         data = [file_object(file) for file in session.scalars(query)]
     return {"object": "list", "data": data, "has_more": False}
 
 
 @blueprint.get("/files/<file_id>")
 def get_file(file_id: str):
-    with db().session() as session:
+    with db().read() as session:
         return file_object(_live_file(session, file_id))
 
 
 @blueprint.get("/files/<file_id>/content")
 def file_content(file_id: str):
-    with db().session() as session:
+    with db().read() as session:
         file = _live_file(session, file_id, with_content=True)
         content, filename = file.content, file.filename
     # send_file writes a Content-Disposition that is safe for any filename (RFC 5987 for non-ASCII).

@@ -160,7 +160,7 @@ def _stream_events(request_id: str) -> list[dict]:
 def _row(request_id: str) -> Request:
     """The caller's request (404 for another tenant's, as for an unknown id). Every route here reads
     a request's Redis stream only after this check: the stream is reached only through its row."""
-    with common.db().session() as session:
+    with common.db().read() as session:  # polled often: it waits for no writer
         return common.owned(session, Request, request_id, "request")
 
 

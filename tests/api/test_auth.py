@@ -55,16 +55,6 @@ def assert_unauthorized(response, words: str) -> None:
     assert response.headers["WWW-Authenticate"].startswith("Bearer")
 
 
-@pytest.fixture
-def app(make_app):
-    return make_app()
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
-
-
 def test_a_fresh_install_is_open_and_runs_as_tenant_default(app, client):
     assert client.get("/v1/models").status_code == 200
     uploaded = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(b"{}\n"), "a.jsonl")})

@@ -25,16 +25,6 @@ BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
 
 
 @pytest.fixture
-def app(make_app):
-    return make_app()
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
-
-
-@pytest.fixture
 def broker(redis_url):
     return redis.Redis.from_url(redis_url)
 

@@ -23,16 +23,6 @@ BATCH_INPUT = (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/compl
 
 
 @pytest.fixture
-def app(make_app):
-    return make_app()
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
-
-
-@pytest.fixture
 def acme(app, new_key):
     return new_key(app, "acme")[1]
 
