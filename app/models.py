@@ -79,6 +79,8 @@ class Batch(Base):
     model: Mapped[str] = mapped_column(String(200))
     input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     completion_window: Mapped[str] = mapped_column(String(16), default="24h")
+    # The creating key's max_tokens limit, if it has one: a line asking for more is an error line.
+    max_tokens_limit: Mapped[int | None] = mapped_column(Integer, default=None)
     status: Mapped[str] = mapped_column(String(16), default="validating")
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, default=None)
     errors: Mapped[dict | None] = mapped_column(JSON, default=None)

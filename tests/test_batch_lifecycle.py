@@ -94,3 +94,21 @@ def test_a_batch_that_finished_in_time_is_not_expired(db, batch_id):
     with db.session() as session:
         assert batch_lifecycle.expire_overdue(session, now=5000.0) == []
         assert session.get(Batch, batch_id).status == "completed"
+
+
+def test_lines_over_the_creating_keys_max_tokens_are_error_lines(db, batch_id):
+    """The batch fixture's lines ask for max_tokens 4; a key that allows 3 made this one."""
+    with db.session() as session:
+        file_id = session.get(Batch, batch_id).input_file_id
+        batch = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_tokens_limit=3)
+        session.add(batch)
+        session.flush()
+        assert batch_lifecycle.expand_input(session, batch, "m", max_lines=100) == []
+        strict_id = batch.id
+        roomy = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_tokens_limit=4)
+        session.add(roomy)
+        session.flush()
+        assert len(batch_lifecycle.expand_input(session, roomy, "m", max_lines=100)) == 5
+    errors = [json.loads(item.result)["error"] for item in items(db, strict_id)]
+    assert [e["code"] for e in errors] == ["invalid_request"] * 5
+    assert all("max_tokens is 4" in e["message"] and "at most 3" in e["message"] for e in errors)

@@ -60,7 +60,10 @@ def expand_input(session: Session, batch: Batch, served_model: str, max_lines: i
             if model is not None and model != served_model:
                 raise BatchLineError(f"line {line_no}: model {model!r} is not served here (this server runs "
                                      f"{served_model!r})", "model_not_found", line_no, parsed.custom_id)
-            parse_body(parsed.body)
+            asked = parse_body(parsed.body).params.max_tokens
+            if batch.max_tokens_limit and asked > batch.max_tokens_limit:
+                raise InvalidRequest(f"max_tokens is {asked}; the API key that created this batch allows at most "
+                                     f"{batch.max_tokens_limit}", "max_tokens")
         except BatchLineError as err:
             _set_result(item, "failed", batch_error_line(err.custom_id, err.code, str(err), err.line))
         except InvalidRequest as err:

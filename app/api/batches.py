@@ -15,6 +15,7 @@ from flask import Blueprint, request
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import defer
 
+from app import limits
 from app.api.common import db, enqueue, json_body, owned, owns, redis_client, served_model, settings
 from app.auth import current_tenant
 from app.errors import APIError
@@ -66,7 +67,7 @@ def create_batch():
         created = time.time()
         batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id,
                       completion_window=window, status="validating", metadata_=metadata, created_at=created,
-                      expires_at=created + window_seconds)
+                      expires_at=created + window_seconds, max_tokens_limit=limits.current_limits().max_tokens or None)
         session.add(batch)
     # Queued only after the row is committed, so the worker always finds it.
     try:

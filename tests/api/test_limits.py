@@ -161,6 +161,27 @@ def test_max_tokens_per_key_and_server_wide(make_app, new_key):
     assert count_requests(app) == 2
 
 
+def test_a_batch_carries_its_keys_max_tokens_limit_to_the_workers(make_app, new_key):
+    """The web cannot see inside a batch's lines' run; it stamps the key's limit on the batch, and the
+    worker that expands the file turns each line asking for more into an error line
+    (tests/test_batch_lifecycle.py checks that side)."""
+    from app.models import Batch
+
+    app = make_app()
+    client = app.test_client()
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}})
+    limits_by_key = {}
+    for max_tokens in (8, None):
+        _, headers = new_key(app, "acme", **({"max_tokens": max_tokens} if max_tokens else {}))
+        file_id = upload(client, (line + "\n").encode(), headers).get_json()["id"]
+        batch = client.post("/v1/batches", headers=headers, json={"input_file_id": file_id,
+                                                                  "endpoint": "/v1/completions",
+                                                                  "completion_window": "24h"}).get_json()
+        with app.extensions["llmq_db"].read() as session:
+            limits_by_key[max_tokens] = session.get(Batch, batch["id"]).max_tokens_limit
+    assert limits_by_key == {8: 8, None: None}
+
+
 @pytest.fixture
 def chat_model_dir(tmp_path, stories_dir):
     """stories260k with a chat template, so chat completions get as far as their limits."""
