@@ -8,7 +8,8 @@ from workers.engine.config import InvalidRequest, SamplingParams
 from workers.model.tokenizer import Tokenizer, TokenizerError
 from workers.openai_protocol import (chat_choice, completion_choice, completion_object,
                                      parse_chat_request, parse_completion_request, usage_object)
-from workers.service import EngineService, Job
+from workers.job import Job
+from workers.service import EngineService
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
-from app.streams import ChoiceProgress, StreamProgress
+from app.streams import StreamProgress
 from workers.engine.config import InvalidRequest, ResumePoint, SamplingParams
-from workers.engine.outputs import CompletionOutput, RequestDelta, TokenLogprob
+from workers.engine.outputs import CompletionOutput, RequestDelta
+from workers.job import Job, one_sample, output_so_far
 from workers.publisher import StreamPublisher
 
 if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
@@ -41,42 +41,6 @@ class EngineFailure(RuntimeError):
 
 class HandedBack(RuntimeError):
     """This worker is stopping: the request goes back to the queue, to be resumed from its checkpoint."""
-
-
-@dataclass(eq=False)  # identity: jobs key the per-step event map
-class Job:
-    """One API request (possibly several prompts, each with n samples) in the engine."""
-
-    request_id: str
-    prompts: list
-    params: SamplingParams
-    resume_from: StreamProgress | None = None  # what an earlier run of this request already streamed
-    priority: int = 0  # the scheduler's: lower is admitted first
-    outputs: list[list[CompletionOutput]] = field(default_factory=list)  # [prompt][sample]
-    prompt_token_ids: list[list[int]] = field(default_factory=list)
-    # Engine request id -> (prompt number, its first sample): "#k" runs prompt k's n samples together;
-    # a resumed sample runs alone as "#k.s".
-    routes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    num_events: int = 0  # events written to the request's stream so far (by this run and any before)
-    error: Exception | None = None  # InvalidRequest (refused), EngineFailure or HandedBack
-    first_token_at: float | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason is not None for outs in self.outputs for o in outs)
-
-    @property
-    def cancelled(self) -> bool:
-        return any(o.finish_reason == "abort" for outs in self.outputs for o in outs)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.prompt_token_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(o.token_ids) for outs in self.outputs for o in outs)
 
 
 class EngineService:
@@ -236,11 +200,11 @@ class EngineService:
                 job.routes[engine_id] = (k, 0)
                 job.outputs.append([CompletionOutput(i) for i in range(n)])
             else:
-                job.outputs.append([_output_so_far(c, s) for s, c in enumerate(before)])
+                job.outputs.append([output_so_far(c, s) for s, c in enumerate(before)])
                 for s, output in enumerate(job.outputs[k]):
                     if output.finish_reason is None:
                         engine_id = f"{job.request_id}#{k}.{s}"
-                        seq = self.engine.add_request(engine_id, prompt, _one_sample(job.params, s), job.priority,
+                        seq = self.engine.add_request(engine_id, prompt, one_sample(job.params, s), job.priority,
                                                       resume=ResumePoint(tuple(output.token_ids), len(output.text)))
                         job.routes[engine_id] = (k, s)
             job.prompt_token_ids.append(seq.prompt_token_ids if seq else self.engine.tokenize(prompt))
@@ -318,22 +282,6 @@ class EngineService:
             log.warning("ending %d request(s) in flight: %s", len(self._jobs), error)
         for job in list(self._jobs.values()):
             self._end(job, error)
-
-
-def _output_so_far(choice: ChoiceProgress | None, index: int) -> CompletionOutput:
-    if choice is None:
-        return CompletionOutput(index)
-    logprobs = None
-    if choice.logprobs is not None:
-        logprobs = [TokenLogprob(lp["token_id"], lp["logprob"], tuple(tuple(pair) for pair in lp["top"]))
-                    for lp in choice.logprobs]
-    return CompletionOutput(index, choice.text, list(choice.token_ids), logprobs, choice.finish_reason)
-
-
-def _one_sample(params: SamplingParams, sample: int) -> SamplingParams:
-    """Sample `sample` of n as a request of its own (seeded as the engine seeds a request's samples)."""
-    seed = params.seed + sample if params.seed is not None and params.seed + sample < 1 << 64 else params.seed
-    return replace(params, n=1, seed=seed)
 
 
 class _Progress:
