@@ -99,6 +99,12 @@ def assert_streams_hold_each_token_once(stack: LocalStack, rows: list[dict]) -> 
         assert progress.choices[0].text == row["response"]["body"]["choices"][0]["text"]
 
 
+def assert_batch_came_through(api: httpx.Client, stack: LocalStack, batch_id: str, offline: dict) -> None:
+    """The batch ends completed, every line once, as the offline engine writes it, no token twice."""
+    rows = assert_every_line_once_and_equal_to_offline(api, wait_for_end(api, batch_id), offline)
+    assert_streams_hold_each_token_once(stack, rows)
+
+
 def running_on(api: httpx.Client, worker: str) -> int:
     return sum(w["running"] for w in api.get("/v1/workers").json()["data"] if w["name"].startswith(worker + "@"))
 
@@ -114,9 +120,7 @@ def test_a_worker_killed_mid_batch_loses_nothing(served_model_dir, tmp_path, off
                    ["request_counts"]["completed"] < len(PROMPTS) // 2, timeout=120, interval=0.1)
         time.sleep(1.0)  # well into generation: its lines have streamed tokens
         assert stack.kill_worker("w0", signal.SIGKILL) == -signal.SIGKILL
-        batch = wait_for_end(api, batch_id)
-        rows = assert_every_line_once_and_equal_to_offline(api, batch, offline)
-        assert_streams_hold_each_token_once(stack, rows)
+        assert_batch_came_through(api, stack, batch_id, offline)
         assert "from its checkpoint" in log_of(tmp_path, "w1"), "no line was resumed from a checkpoint"
 
 
@@ -130,9 +134,7 @@ def test_a_worker_told_to_stop_hands_its_work_back_in_time(served_model_dir, tmp
         stopped_in = time.monotonic() - started
         assert exit_code == 0 and stopped_in < GRACE_S, f"exit code {exit_code} after {stopped_in:.1f} s"
         assert "handing its requests back" in log_of(tmp_path, "w0")
-        batch = wait_for_end(api, batch_id)
-        rows = assert_every_line_once_and_equal_to_offline(api, batch, offline)
-        assert_streams_hold_each_token_once(stack, rows)
+        assert_batch_came_through(api, stack, batch_id, offline)
         assert "from its checkpoint" in log_of(tmp_path, "w1"), "no handed-back line was resumed"
 
 
@@ -142,9 +144,7 @@ def test_redis_restarted_mid_batch_loses_nothing(served_model_dir, tmp_path, off
         wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] >= 2,
                    timeout=120, interval=0.1)
         stack.restart_redis(down_s=2.0)
-        batch = wait_for_end(api, batch_id)
-        rows = assert_every_line_once_and_equal_to_offline(api, batch, offline)
-        assert_streams_hold_each_token_once(stack, rows)
+        assert_batch_came_through(api, stack, batch_id, offline)
         assert len(api.get("/v1/workers").json()["data"]) == 2, "a worker did not reconnect"
 
 
