@@ -162,14 +162,10 @@ class EngineService:
             try:
                 self._start(job)
             except Exception as err:  # refused (InvalidRequest) or broken: either way this job ends here
-                for engine_id in job.routes:
-                    self.engine.abort(engine_id)
-                    self._by_engine_id.pop(engine_id, None)
                 if not isinstance(err, InvalidRequest):
                     log.exception("could not admit request %s", job.request_id)
                     err = EngineFailure(f"the engine could not take this request: {err}")
-                job.error = err
-                job.done.set()
+                self._end(job, err)  # what _start had added to the engine comes out again
                 continue
             if job.finished:  # resumed with every choice already done: only the ending was missing
                 if job.resume_from.ended_with is None:
@@ -268,10 +264,12 @@ class EngineService:
                 self._end(job, HandedBack("another worker has taken this request over"))
 
     def _end(self, job: Job, error: Exception) -> None:
+        """Take a job out of the engine and the loop's tables, and wake its task thread with `error`."""
         for engine_id in job.routes:
             self.engine.abort(engine_id)
             self._by_engine_id.pop(engine_id, None)
-        self._jobs.pop(job.request_id, None)
+        if self._jobs.get(job.request_id) is job:  # a job refused at admission never got in
+            del self._jobs[job.request_id]
         job.error = error
         job.done.set()
 
