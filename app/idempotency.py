@@ -148,10 +148,11 @@ def _fingerprint() -> str:
     """What makes two POSTs the same request: method, path and query, and the body's content."""
     digest = hashlib.sha256(f"{request.method} {request.full_path}\n".encode())
     if request.mimetype == "multipart/form-data":
-        # Every attempt has its own random multipart boundary, so compare the parts, not the bytes.
-        for name, value in sorted(request.form.items(multi=True)):
+        # Every attempt has its own random multipart boundary, so compare the parts, not the bytes. A part
+        # whose name werkzeug cannot read has the name None, so the parts are sorted by their JSON.
+        for name, value in sorted(request.form.items(multi=True), key=json.dumps):
             digest.update(json.dumps(["field", name, value]).encode())
-        for name, upload in sorted(request.files.items(multi=True), key=lambda item: item[0]):
+        for name, upload in sorted(request.files.items(multi=True), key=lambda item: json.dumps(item[0])):
             content = upload.stream.read()
             upload.stream.seek(0)  # the view reads it again
             digest.update(json.dumps(["file", name, upload.filename, hashlib.sha256(content).hexdigest()]).encode())

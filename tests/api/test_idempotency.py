@@ -201,3 +201,13 @@ def test_a_duplicate_of_a_waiting_completion_waits_for_the_same_request(app, cli
 def test_a_bad_idempotency_key_is_400(client):
     response = client.post("/v1/requests", json=BODY, headers=idem("x" * 256))
     assert response.status_code == 400 and response.get_json()["error"]["code"] == "invalid_idempotency_key"
+
+
+def test_an_upload_with_a_part_whose_name_cannot_be_read_is_answered_not_a_500(client):
+    # A newline inside a part's name breaks its header: werkzeug names such a part None (found by the fuzzer).
+    body = (b'--b\r\nContent-Disposition: form-data; name="a\nb"\r\n\r\nnull\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b--\r\n')
+    response = client.post("/v1/files", data=body, content_type="multipart/form-data; boundary=b",
+                           headers=idem("odd-part"))
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.get_json()["error"]["param"] == "file"
