@@ -11,7 +11,8 @@ Per request id:
                      redelivered task runs the request only once this is free
 Shared:
   llmq:cancel        pub/sub channel of cancelled request ids; workers abort them at the next step
-  llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks, at)
+  llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks,
+                     the loop's steps, busy_seconds and tokens since the worker started, at)
   llmq:sweep         a short lock: the worker holding it expires batches past their completion window
 
 Events (JSON):
@@ -27,6 +28,7 @@ reader sees one unbroken sequence of events, nothing twice.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -55,43 +57,66 @@ def lease_key(request_id: str) -> str:
     return f"llmq:lease:{request_id}"
 
 
-# Appends events under ids "0-<n>", n = the event's number in the request (1, 2, ...), skipping any
-# number the stream already holds. So writing is idempotent: a call retried after a dropped
-# connection (Redis restarted after running it, before answering) writes nothing twice, and neither
-# does a worker that resumes a request. n = 0 for the first event means "after the last one".
+# Appends events under ids "0-<n>", n = the event's number in the request (1, 2, ...). Redis refuses
+# an XADD id at or below the stream's last, so an event whose number the stream already holds is
+# skipped (and not published again): writing is idempotent. A call retried after a dropped connection
+# (Redis restarted after running it, before answering) writes nothing twice, and neither does a
+# worker that resumes a request. n = 0 for the first event means "after the last one".
 _APPEND_EVENTS = """
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local last = 0
-if #top > 0 then last = tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0 end
 local first = tonumber(ARGV[3])
-if first == 0 then first = last + 1 end
+if first == 0 then
+  local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  first = 1
+  if #top > 0 then first = (tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0) + 1 end
+end
 for i = 4, #ARGV do
-  local n = first + i - 4
-  if n > last then
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '0-' .. n, 'data', ARGV[i])
+  local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '0-' .. (first + i - 4), 'data', ARGV[i])
+  if type(added) == 'table' and added.err then
+    if not string.find(added.err, 'equal or smaller', 1, true) then return added end
+  else
     redis.call('PUBLISH', KEYS[2], ARGV[i])
   end
 end
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return first + #ARGV - 4
 """
+_APPEND_EVENTS_SHA = hashlib.sha1(_APPEND_EVENTS.encode()).hexdigest()
 
 
-def queue_events(pipe, request_id: str, events: list[dict], maxlen: int, first_number: int = 0,
-                 ttl: int | None = None) -> None:
-    """Add to a pipeline the (atomic, idempotent) write of `events` as numbers first_number, first_number
-    + 1, ... of the request (0: after its last event): a stream entry and a publish each."""
-    # EVAL, not EVALSHA: a Redis restarted under a retried call has lost its script cache.
-    pipe.eval(_APPEND_EVENTS, 2, stream_key(request_id), tokens_channel(request_id),
-              maxlen, ttl or 0, first_number, *(json.dumps(event) for event in events))
+@dataclass(frozen=True)
+class EventWrite:
+    """Events to append to one request's stream, numbered from `first_number` (0: after its last)."""
+
+    request_id: str
+    events: list[dict]
+    first_number: int = 0
+    ttl: int | None = None  # set when the request ended: the stream expires this long after
+
+
+def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int) -> None:
+    """Append and publish every write in one round trip, each write atomically. The script runs by its
+    SHA (a worker sends one such call per request per step); a Redis that lacks it (new, or restarted)
+    gets it loaded and the writes sent again, which is safe since they are idempotent."""
+    if not writes:
+        return
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for write in writes:
+            pipe.evalsha(_APPEND_EVENTS_SHA, 2, stream_key(write.request_id), tokens_channel(write.request_id),
+                         maxlen, write.ttl or 0, write.first_number, *(json.dumps(event) for event in write.events))
+        try:
+            pipe.execute()
+            return
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+            client.script_load(_APPEND_EVENTS)
 
 
 def publish_events(client: redis.Redis, request_id: str, events: list[dict], maxlen: int,
                    ttl: int | None = None) -> None:
     """Append events after the request's last one and publish them, in one round trip."""
-    pipe = client.pipeline(transaction=False)
-    queue_events(pipe, request_id, events, maxlen, ttl=ttl)
-    pipe.execute()
+    write_events(client, [EventWrite(request_id, events, ttl=ttl)], maxlen)
 
 
 def event_number(entry_id: str) -> int:

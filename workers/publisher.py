@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from app.streams import publish_events, queue_events
+from app.streams import EventWrite, publish_events, write_events
 from workers.engine.outputs import RequestDelta
 
 
@@ -35,13 +35,9 @@ class StreamPublisher:
         its first event here, its events). Each request's events are written atomically, and a
         retried call (after a dropped connection) writes nothing twice: the streams are the requests'
         checkpoints."""
-        if not events:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for request_id, (first_number, request_events) in events.items():
-            queue_events(pipe, request_id, request_events, self.maxlen, first_number,
-                         self.ttl if request_id in finished else None)
-        pipe.execute()
+        write_events(self.client, [EventWrite(request_id, request_events, first_number,
+                                              self.ttl if request_id in finished else None)
+                                   for request_id, (first_number, request_events) in events.items()], self.maxlen)
 
     def publish_one(self, request_id: str, event: dict, finished: bool = False) -> None:
         """One event after the request's last (the error that ends a request outside the engine loop)."""
