@@ -272,7 +272,9 @@ WORKER = {
     "required": ["name", "model", "at"],
     "properties": {"name": {"type": "string"}, "model": {"type": "string"}, "at": {"type": "number"},
                    **{name: {"type": "integer", "minimum": 0}
-                      for name in ("running", "waiting", "free_blocks", "total_blocks")}},
+                      for name in ("running", "waiting", "free_blocks", "total_blocks", "steps", "tokens")},
+                   "busy_seconds": {"type": "number", "minimum": 0,
+                                    "description": "Seconds the engine spent in its steps since the worker started."}},
 }
 
 

@@ -115,6 +115,8 @@ class EngineService:
         self._wake.set()
 
     def stats(self) -> dict:
+        """The engine's load now (running, waiting, free and total KV blocks) and the loop's totals since
+        the worker started: steps, busy_seconds (inside engine.step) and tokens generated."""
         with self._stats_lock:
             return dict(self._stats)
 
@@ -123,7 +125,8 @@ class EngineService:
     def _loop(self) -> None:
         try:
             self.engine = self._engine_factory()
-            self._stats = self.engine.stats()
+            totals = _Totals()
+            self._stats = {**self.engine.stats(), **totals.as_dict()}
         except BaseException as err:  # reported by start() in the worker's main thread
             self._load_error = err
             return
@@ -144,10 +147,12 @@ class EngineService:
                     continue
                 started = time.perf_counter()
                 deltas = self.engine.step()
-                progress.add(time.perf_counter() - started, sum(len(d.token_ids) for d in deltas))
+                seconds, tokens = time.perf_counter() - started, sum(len(d.token_ids) for d in deltas)
+                progress.add(seconds, tokens)
+                totals.add(seconds, tokens)
                 self._dispatch(deltas)
                 with self._stats_lock:
-                    self._stats = self.engine.stats()
+                    self._stats = {**self.engine.stats(), **totals.as_dict()}
                 progress.report(self._stats)
             except Exception:  # one bad step must not take the worker down: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
@@ -280,6 +285,22 @@ class EngineService:
             log.warning("ending %d request(s) in flight: %s", len(self._jobs), error)
         for job in list(self._jobs.values()):
             self._end(job, error)
+
+
+class _Totals:
+    """The loop's work since the worker started, for heartbeats (GET /v1/workers) and benchmarks."""
+
+    def __init__(self):
+        self.steps = self.tokens = 0
+        self.busy_seconds = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        self.busy_seconds += seconds
+        self.tokens += tokens
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "busy_seconds": round(self.busy_seconds, 6), "tokens": self.tokens}
 
 
 class _Progress:

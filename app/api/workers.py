@@ -1,4 +1,5 @@
-"""GET /v1/workers: the workers' latest heartbeats (model, running, waiting, free and total KV blocks)."""
+"""GET /v1/workers: the workers' latest heartbeats (model, running, waiting, free and total KV blocks, and
+the engine loop's totals since the worker started: steps, busy_seconds, tokens)."""
 import json
 import time
 

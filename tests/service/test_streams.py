@@ -1,6 +1,7 @@
 """Token streams through Redis and SSE: joined tokens equal the stored text, Last-Event-ID resumes
 without repeats, and a cancelled or disconnected stream frees its KV blocks."""
 import json
+import time
 
 from tests.service.conftest import MODEL_NAME, wait_until, worker_blocks
 
@@ -89,3 +90,22 @@ def test_explicit_cancel_frees_every_block(api):
     wait_until(lambda: worker_blocks(api) == (total, total), timeout=30)
     state = api.get(f"/v1/requests/{request_id}").json()
     assert state["usage"] is None or state["usage"]["completion_tokens"] < 480
+
+
+def idle_worker_totals(api, fresher_than: float) -> dict:
+    """The worker's heartbeat once it is sent after `fresher_than` with nothing running or waiting."""
+    def idle_beat():
+        workers = [w for w in api.get("/v1/workers").json()["data"] if w["at"] > fresher_than]
+        return workers and not workers[0]["running"] and not workers[0]["waiting"] and workers[0]
+    return wait_until(idle_beat)
+
+
+def test_the_workers_heartbeat_counts_the_engine_steps_and_tokens(api):
+    before = idle_worker_totals(api, time.time())
+    reply = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 25,
+                                              "temperature": 0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    after = idle_worker_totals(api, time.time())
+    assert after["tokens"] - before["tokens"] == 25
+    assert after["steps"] - before["steps"] >= 25  # one token per running sequence per step
+    assert after["busy_seconds"] > before["busy_seconds"]
