@@ -40,6 +40,14 @@ def workload(n=64, seed=0, pmin=8, pmax=128, omin=8, omax=128, vocab=32000):
             for _ in range(n)]
 
 
+def fresh_prompts(requests, repeat: int, vocab=32000):
+    """The workload for repeat `repeat`: the same lengths, every prompt token id moved by `repeat`
+    (within 3..vocab-1). Throughput does not depend on the ids, but prefix caching does: a repeat of
+    the very same prompts would find them all cached and skip their prefill, which no real workload
+    of fresh prompts gets."""
+    return [([3 + (t - 3 + repeat) % (vocab - 3) for t in prompt], max_tokens) for prompt, max_tokens in requests]
+
+
 def bench_model_dir() -> Path:
     folder = llmq_home() / "bench" / "bench-42m"
     if not (folder / "config.json").is_file():
@@ -63,16 +71,16 @@ def _timed(fn) -> float:
 
 
 def run_transformers(folder: Path, requests, batch: int, repeats: int) -> list[float]:
-    """Seconds for each of `repeats` runs of the whole workload in static batches."""
+    """Seconds for each of `repeats` runs of the whole workload (fresh prompts each time) in static batches."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     times = []
-    for _ in range(repeats):
+    for repeat in range(repeats):
         started = time.perf_counter()
         with torch.inference_mode():
             for i in range(0, len(requests), batch):
-                chunk = requests[i:i + batch]
+                chunk = fresh_prompts(requests[i:i + batch], repeat)
                 longest = max(len(p) for p, _ in chunk)
                 new_tokens = max(o for _, o in chunk)
                 ids = torch.zeros(len(chunk), longest, dtype=torch.long)
@@ -86,15 +94,16 @@ def run_transformers(folder: Path, requests, batch: int, repeats: int) -> list[f
     return times
 
 
-def run_llmq(folder: Path, requests, repeats: int, **engine_options) -> dict:
-    """Seconds for each of `repeats` runs of the whole workload (all submitted at once) through one
-    engine, with the KV waste sampled after every step."""
-    engine = LLMEngine(EngineConfig(model=str(folder), **engine_options))
+def run_llmq(folder: Path, requests, repeats: int, engine: LLMEngine | None = None, first_repeat: int = 0,
+             **engine_options) -> dict:
+    """Seconds for each of `repeats` runs of the whole workload (all submitted at once, fresh prompts
+    each time: see fresh_prompts) through one engine, with the KV waste sampled after every step."""
+    engine = engine or LLMEngine(EngineConfig(model=str(folder), **engine_options))
     times, waste_samples, steps = [], [], 0
-    for repeat in range(repeats):
+    for repeat in range(first_repeat, first_repeat + repeats):
         generated = {}
         started = time.perf_counter()
-        for i, (prompt, max_tokens) in enumerate(requests):
+        for i, (prompt, max_tokens) in enumerate(fresh_prompts(requests, repeat)):
             engine.add_request(f"{repeat}-{i}", {"prompt_token_ids": prompt},
                                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         while engine.has_unfinished():
@@ -116,8 +125,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true", help="measure llmq only")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of the workload per system; the best (warm: kernels for every batch shape "
-                             "already built, as in a long-lived worker) is compared, every run is printed")
+                        help="runs of the workload per system, each with fresh prompts; the best (warm, "
+                             "as a long-lived worker is) is compared, every run is printed")
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)

@@ -9,31 +9,36 @@ bench-42m model, the web server) and runs the 64 requests of ../shared/bench/REA
   streams   64 requests through POST /v1/requests, each followed by its own SSE client
 Prints useful tokens/s for each and the ratio to offline, and for the streams the latency from the
 engine's step (the time stamped on each token event when the step returns) to the SSE client
-receiving it: p50 / p90 / p99. Each service run is repeated (--repeats) and the best is compared,
-as in engine_throughput.py.
+receiving it: p50 / p90 / p99.
+
+The machine's speed drifts (shared, noisy), so the three paths run in rounds, one after another, and
+each path's best round is compared. Every run gets fresh prompts (engine_throughput.fresh_prompts):
+a repeat of the same prompts would skip their prefill through the prefix cache.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.local_stack import LocalStack  # noqa: E402
-from benchmarks.engine_throughput import bench_model_dir, run_llmq, workload  # noqa: E402
+from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, run_llmq, workload  # noqa: E402
+from workers.engine import EngineConfig, LLMEngine  # noqa: E402
 
 MODEL = "bench-42m"
 
 
-def run_batch(client: httpx.Client, requests) -> float:
+def run_batch(client: httpx.Client, requests, poll_seconds: float) -> float:
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                   "ignore_eos": True}})
@@ -44,7 +49,7 @@ def run_batch(client: httpx.Client, requests) -> float:
     batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
                                              "completion_window": "24h"}).json()
     while batch["status"] not in ("completed", "failed", "cancelled"):
-        time.sleep(0.05)
+        time.sleep(poll_seconds)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
     seconds = time.perf_counter() - started
     counts = batch["request_counts"]
@@ -56,43 +61,64 @@ def run_batch(client: httpx.Client, requests) -> float:
 def run_streams(base_url: str, requests) -> tuple[float, list[float]]:
     """Every request submitted with POST /v1/requests and followed by its own SSE client on
     /v1/requests/{id}/events; returns (seconds, per-token latencies in s: client receipt minus the
-    time the worker stamped on the event when the engine step returned)."""
+    time the worker stamped on the event when the engine step returned).
+
+    The 64 clients share this machine's two cores with the service they measure, so they are as
+    light as a client can be: one asyncio loop, aiohttp's C parser. (64 httpx clients in threads took
+    about a fifth of the machine, and their wait for the GIL showed up as streaming latency.)"""
+    return asyncio.run(_run_streams(base_url, requests))
+
+
+async def _run_streams(base_url: str, requests) -> tuple[float, list[float]]:
     latencies: list[float] = []
-    lock = threading.Lock()
-    errors = []
-
-    def one(prompt, max_tokens) -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        mine, tokens = [], 0
-        try:
-            with httpx.Client(base_url=base_url, timeout=600) as client:
-                request_id = client.post("/v1/requests", json=body).json()["id"]
-                with client.stream("GET", f"/v1/requests/{request_id}/events") as response:
-                    for line in response.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        received = time.time()
-                        event = json.loads(line[6:])
-                        if event["type"] == "delta":
-                            tokens += len(event["token_ids"])
-                            mine.append(received - event["t"])
-            if tokens != max_tokens:
-                raise RuntimeError(f"got {tokens} tokens, asked for {max_tokens}")
-        except Exception as err:  # reported below; a benchmark must not hide a failure
-            errors.append(err)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=one, args=(p, o)) for p, o in requests]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
-    if errors:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(base_url, connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(_stream_one(session, prompt, max_tokens, latencies)
+                                          for prompt, max_tokens in requests), return_exceptions=True)
+        seconds = time.perf_counter() - started
+    errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if errors:  # a benchmark must not hide a failure
         raise SystemExit(f"{len(errors)} streaming clients failed, first: {errors[0]!r}")
     return seconds, latencies
+
+
+async def _stream_one(session: aiohttp.ClientSession, prompt, max_tokens: int, latencies: list[float]) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with session.post("/v1/requests", json=body) as response:
+        response.raise_for_status()
+        request_id = (await response.json())["id"]
+    tokens = 0
+    async with session.get(f"/v1/requests/{request_id}/events") as response:
+        response.raise_for_status()
+        async for line in response.content:  # one SSE line at a time
+            if not line.startswith(b"data: "):
+                continue
+            received = time.time()
+            event = json.loads(line[6:])
+            if event["type"] == "delta":
+                tokens += len(event["token_ids"])
+                latencies.append(received - event["t"])
+    if tokens != max_tokens:
+        raise RuntimeError(f"request {request_id}: got {tokens} tokens, asked for {max_tokens}")
+
+
+def worker_totals(client: httpx.Client, fresher_than: float) -> dict:
+    """The worker's engine-loop totals (steps, busy_seconds, tokens) from its first heartbeat sent
+    after `fresher_than` (unix time): called while the engine is idle, so they are its totals now."""
+    while True:
+        beats = [w for w in client.get("/v1/workers").json()["data"] if w["at"] > fresher_than]
+        if beats:
+            return beats[0]
+        time.sleep(0.2)
+
+
+def describe_engine(path: str, before: dict, after: dict, wall: float) -> str:
+    """How much of a run's wall time the worker's engine spent stepping, and in how many steps: a slower
+    service is either slower steps (the cores shared with the rest of the service) or idle engine time."""
+    steps, busy = after["steps"] - before["steps"], after["busy_seconds"] - before["busy_seconds"]
+    return f"{path} {steps} steps, engine busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%})"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,31 +127,46 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of offline, batch and streams (default 3)")
+    parser.add_argument("--poll-seconds", type=float, default=0.05,
+                        help="how often the batch client polls GET /v1/batches/{id} (default 0.05: the wall time "
+                             "it measures is at most this late)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the service processes (repeatable)")
     args = parser.parse_args()
     folder = bench_model_dir()
     requests = workload()
     useful = sum(o for _, o in requests)
-
-    offline = min(run_llmq(folder, requests, args.repeats)["times"])
-    print(f"offline engine: {useful / offline:.1f} useful tokens/s", flush=True)
+    max_num_seqs = 128
+    # The offline engine is built as the worker builds its own (the same settings), in this process.
+    offline_engine = LLMEngine(EngineConfig(model=str(folder), max_num_seqs=max_num_seqs))
+    offline_times, batch_times, stream_runs = [], [], []
 
     with tempfile.TemporaryDirectory() as home:
         env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
-               "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": "128", "LLMQ_WORKER_THREADS": "160",
+               "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": str(max_num_seqs), "LLMQ_WORKER_THREADS": "160",
                **dict(item.split("=", 1) for item in args.worker_env)}
         # The web server runs as its own process (as the Procfile runs it), not beside the clients.
         with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
             with httpx.Client(base_url=stack.base_url, timeout=600) as client:
-                batch_times = [run_batch(client, requests) for _ in range(args.repeats)]
-            print("batch through the service: " + ", ".join(f"{useful / t:.1f}" for t in batch_times)
-                  + " useful tokens/s", flush=True)
-            stream_runs = [run_streams(stack.base_url, requests) for _ in range(args.repeats)]
-            print("streaming clients: " + ", ".join(f"{useful / t:.1f}" for t, _ in stream_runs)
-                  + " useful tokens/s", flush=True)
+                for round_number in range(args.rounds):
+                    first = 3 * round_number  # each run below its own fresh prompts
+                    offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=first)
+                    offline_times += offline["times"]
+                    offline_steps = offline["steps"]
+                    before = worker_totals(client, time.time())
+                    batch_times.append(run_batch(client, fresh_prompts(requests, first + 1), args.poll_seconds))
+                    after_batch = worker_totals(client, time.time())
+                    stream_runs.append(run_streams(stack.base_url, fresh_prompts(requests, first + 2)))
+                    after_streams = worker_totals(client, time.time())
+                    print(f"round {round_number + 1}: offline {useful / offline_times[-1]:.1f}, "
+                          f"batch {useful / batch_times[-1]:.1f}, streams {useful / stream_runs[-1][0]:.1f} "
+                          "useful tokens/s", flush=True)
+                    print(f"  where the time went: offline {offline_steps} steps, {offline_times[-1]:.2f} s; "
+                          + describe_engine("batch", before, after_batch, batch_times[-1]) + "; "
+                          + describe_engine("streams", after_batch, after_streams, stream_runs[-1][0]), flush=True)
 
+    offline = min(offline_times)
     batch_best = min(batch_times)
     stream_best, latencies = min(stream_runs, key=lambda run: run[0])
     latencies_ms = [1000 * x for x in latencies]
@@ -133,10 +174,10 @@ def main() -> None:
     for name, seconds in (("offline engine", offline), ("batch via HTTP + Redis + Celery", batch_best),
                           ("64 requests + 64 SSE clients", stream_best)):
         print(f"| {name} | {useful / seconds:.1f} | {offline / seconds:.0%} |")
-    print(f"\nstep -> SSE client latency over {len(latencies_ms)} token events: "
+    print(f"\nstep -> SSE client latency over {len(latencies_ms)} token events (best streams round): "
           f"p50 {percentile(latencies_ms, 50):.2f} ms, p90 {percentile(latencies_ms, 90):.2f} ms, "
           f"p99 {percentile(latencies_ms, 99):.2f} ms")
-    print(json.dumps({"useful_tokens": useful, "offline_s": offline, "batch_s": batch_times,
+    print(json.dumps({"useful_tokens": useful, "offline_s": offline_times, "batch_s": batch_times,
                       "streams_s": [t for t, _ in stream_runs], "latency_ms_p50": percentile(latencies_ms, 50),
                       "latency_ms_p99": percentile(latencies_ms, 99)}))
 
