@@ -11,6 +11,7 @@ from flask import Flask
 
 from app.config import Settings, queue_name
 from app.database import Database
+from app.stream_hub import StreamHub
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -27,6 +28,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     app.extensions["llmq_db"] = Database(settings.database_url)
     app.extensions["llmq_redis"] = redis_client(redis_url, settings.redis_retry_seconds)
+    app.extensions["llmq_stream_hub"] = StreamHub(app.extensions["llmq_redis"])
     celery_init_app(app)
 
     from app import auth, idempotency, limits

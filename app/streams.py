@@ -1,4 +1,4 @@
-"""Redis key names, the token message format, and the stream reader. The contract between workers
+"""Redis key names, the token message format, stream writes and checkpoints. The contract between workers
 (who write) and anyone who reads: the web process, or your own plain Redis client.
 
 Per request id:
@@ -14,6 +14,8 @@ Shared:
   llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks,
                      the loop's steps, busy_seconds and tokens since the worker started, at)
   llmq:sweep         a short lock: the worker holding it expires batches past their completion window
+  llmq:web-wake:{id} a one-entry stream per web process: a new reader wakes the process's stream reader
+                     (app/stream_hub.py)
 
 Events (JSON):
   {"type": "delta", "index": i, "text": "...", "token_ids": [...], "logprobs": [...] | null,
@@ -30,8 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -133,30 +133,6 @@ def request_cancel(client: redis.Redis, request_id: str, ttl: int) -> None:
 
 def is_cancelled(client: redis.Redis, request_id: str) -> bool:
     return bool(client.exists(cancel_key(request_id)))
-
-
-def read_events(client: redis.Redis, request_id: str, last_id: str = "0-0", block_ms: int = 1000,
-                timeout: float | None = None) -> Iterator[tuple[str | None, dict | None]]:
-    """Yield (entry id, event) from the request's stream after `last_id`, waiting for new ones, until
-    a done or error event. Yields (None, None) after each `block_ms` with nothing new, so a caller can
-    check its client is still there. Stops after `timeout` seconds without any event."""
-    key = stream_key(request_id)
-    idle_since = time.monotonic()
-    while True:
-        reply = client.xread({key: last_id}, count=256, block=block_ms)
-        if not reply:
-            if timeout is not None and time.monotonic() - idle_since > timeout:
-                return
-            yield None, None
-            continue
-        idle_since = time.monotonic()
-        for entry_id, fields in reply[0][1]:
-            last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            data = fields.get(b"data") or fields.get("data")
-            event = json.loads(data)
-            yield last_id, event
-            if event["type"] in ("done", "error"):
-                return
 
 
 @dataclass

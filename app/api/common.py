@@ -12,6 +12,7 @@ from app.auth import current_tenant
 from app.config import Settings, queue_name
 from app.database import Database
 from app.errors import APIError, not_found
+from app.stream_hub import StreamHub
 
 
 def settings() -> Settings:
@@ -24,6 +25,11 @@ def db() -> Database:
 
 def redis_client() -> redis.Redis:
     return current_app.extensions["llmq_redis"]
+
+
+def stream_hub() -> StreamHub:
+    """This web process's reader of request streams (app/stream_hub.py)."""
+    return current_app.extensions["llmq_stream_hub"]
 
 
 def served_model() -> str:

@@ -21,7 +21,8 @@ from app.auth import current_tenant
 from app.completion_stream import ChunkBuilder, ResponseSpec, StreamState
 from app.errors import APIError
 from app.models import Request, new_id
-from app.streams import read_events, request_cancel
+from app.stream_hub import StreamHub
+from app.streams import request_cancel
 from workers.engine.config import InvalidRequest
 from workers.model.model_config import ModelConfig
 from workers.model.tokenizer import TokenizerError
@@ -142,15 +143,15 @@ def answer(submitted: Submitted):
 def respond(spec: ResponseSpec, stream: bool):
     """The answer to a submitted request, built from its events from the start: streamed or waited for."""
     if stream:
-        return event_stream_response(completion_chunks(spec, common.redis_client(), common.tokenizer().token_text,
-                                                       common.settings().stream_ttl))
+        return event_stream_response(completion_chunks(spec, common.redis_client(), common.stream_hub(),
+                                                       common.tokenizer().token_text, common.settings().stream_ttl))
     return wait_for_response(spec)
 
 
 def wait_for_response(spec: ResponseSpec):
     """Block until the request ends; the whole completion object, or its error in the OpenAI shape."""
     state = StreamState()
-    for _entry_id, event in read_events(common.redis_client(), spec.id):
+    for _entry_id, event in common.stream_hub().read_events(spec.id):
         if event is not None:
             state.add(event)
     if state.error is not None:
@@ -159,7 +160,7 @@ def wait_for_response(spec: ResponseSpec):
     return completion_stream.response_object(spec, state, common.tokenizer().token_text)
 
 
-def completion_chunks(spec: ResponseSpec, redis, token_text, cancel_ttl: int):
+def completion_chunks(spec: ResponseSpec, redis, hub: StreamHub, token_text, cancel_ttl: int):
     """The SSE text of a streamed completion. Cancels the request if the client leaves before the end."""
     builder = ChunkBuilder(spec, token_text)
     finished = False
@@ -167,7 +168,7 @@ def completion_chunks(spec: ResponseSpec, redis, token_text, cancel_ttl: int):
         for chunk in builder.opening():
             yield completion_stream.sse_data(chunk)
         state = StreamState()
-        for _entry_id, event in read_events(redis, spec.id):
+        for _entry_id, event in hub.read_events(spec.id):
             if event is None:
                 yield completion_stream.HEARTBEAT
                 continue

@@ -32,7 +32,8 @@ from app.api import common
 from app.api.completions import submit
 from app.errors import APIError
 from app.models import Request
-from app.streams import publish_events, read_events, request_cancel, stream_key
+from app.stream_hub import StreamHub
+from app.streams import publish_events, request_cancel, stream_key
 from workers.publisher import StreamPublisher
 
 blueprint = Blueprint("requests", __name__, url_prefix="/v1")
@@ -100,15 +101,16 @@ def request_events(request_id: str):
     elif row.status in TERMINAL:
         raise APIError(410, f"the event stream of request {request_id} has expired; its result is at "
                             f"GET /v1/requests/{request_id}", code="stream_expired")
-    events = _event_stream(redis, request_id, last_id, common.settings().stream_ttl if cancel_on_disconnect else None)
+    events = _event_stream(redis, common.stream_hub(), request_id, last_id,
+                           common.settings().stream_ttl if cancel_on_disconnect else None)
     return Response(stream_with_context(events), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _event_stream(redis, request_id: str, last_id: str, cancel_ttl: int | None):
+def _event_stream(redis, hub: StreamHub, request_id: str, last_id: str, cancel_ttl: int | None):
     finished = False
     try:
-        for entry_id, event in read_events(redis, request_id, last_id=last_id):
+        for entry_id, event in hub.read_events(request_id, last_id=last_id):
             if event is None:
                 yield completion_stream.HEARTBEAT
                 continue
