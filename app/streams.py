@@ -57,28 +57,37 @@ def lease_key(request_id: str) -> str:
     return f"llmq:lease:{request_id}"
 
 
-# Appends events under ids "0-<n>", n = the event's number in the request (1, 2, ...). Redis refuses
-# an XADD id at or below the stream's last, so an event whose number the stream already holds is
-# skipped (and not published again): writing is idempotent. A call retried after a dropped connection
-# (Redis restarted after running it, before answering) writes nothing twice, and neither does a
-# worker that resumes a request. n = 0 for the first event means "after the last one".
+# Appends each request's events under ids "0-<n>", n = the event's number in the request (1, 2, ...).
+# Redis refuses an XADD id at or below the stream's last, so an event whose number the stream already
+# holds is skipped (and not published again): writing is idempotent. A call retried after a dropped
+# connection (Redis restarted after running it, before answering) writes nothing twice, and neither
+# does a worker that resumes a request. n = 0 for the first event means "after the last one".
+# KEYS: per request, its stream and its channel. ARGV[1]: maxlen; then per request: the number of
+# its first event, the TTL to set (0: none), the count of its events, the events.
+# One call for a whole engine step: Redis serves the readers blocked on these streams once the
+# script ends, so a web process's stream reader gets the step's events in one reply.
 _APPEND_EVENTS = """
-local first = tonumber(ARGV[3])
-if first == 0 then
-  local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  first = 1
-  if #top > 0 then first = (tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0) + 1 end
-end
-for i = 4, #ARGV do
-  local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '0-' .. (first + i - 4), 'data', ARGV[i])
-  if type(added) == 'table' and added.err then
-    if not string.find(added.err, 'equal or smaller', 1, true) then return added end
-  else
-    redis.call('PUBLISH', KEYS[2], ARGV[i])
+local a = 2
+for k = 1, #KEYS, 2 do
+  local first, ttl, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  if first == 0 then
+    local top = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)
+    first = 1
+    if #top > 0 then first = (tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0) + 1 end
   end
+  for i = 1, count do
+    local data = ARGV[a + 2 + i]
+    local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '0-' .. (first + i - 1), 'data', data)
+    if type(added) == 'table' and added.err then
+      if not string.find(added.err, 'equal or smaller', 1, true) then return added end
+    else
+      redis.call('PUBLISH', KEYS[k + 1], data)
+    end
+  end
+  if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
+  a = a + 3 + count
 end
-if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return first + #ARGV - 4
+return #KEYS / 2
 """
 _APPEND_EVENTS_SHA = hashlib.sha1(_APPEND_EVENTS.encode()).hexdigest()
 
@@ -94,18 +103,18 @@ class EventWrite:
 
 
 def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int) -> None:
-    """Append and publish every write in one round trip, each write atomically. The script runs by its
-    SHA (a worker sends one such call per request per step); a Redis that lacks it (new, or restarted)
-    gets it loaded and the writes sent again, which is safe since they are idempotent."""
+    """Append and publish every write in one script call (a worker makes one per engine step), all of
+    them atomically. The script runs by its SHA; a Redis that lacks it (new, or restarted) gets it
+    loaded and the call sent again, which is safe since the writes are idempotent."""
     if not writes:
         return
+    keys, args = [], [maxlen]
+    for write in writes:
+        keys += [stream_key(write.request_id), tokens_channel(write.request_id)]
+        args += [write.first_number, write.ttl or 0, len(write.events), *(json.dumps(event) for event in write.events)]
     for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        for write in writes:
-            pipe.evalsha(_APPEND_EVENTS_SHA, 2, stream_key(write.request_id), tokens_channel(write.request_id),
-                         maxlen, write.ttl or 0, write.first_number, *(json.dumps(event) for event in write.events))
         try:
-            pipe.execute()
+            client.evalsha(_APPEND_EVENTS_SHA, len(keys), *keys, *args)
             return
         except redis.exceptions.NoScriptError:
             if attempt:

@@ -72,3 +72,14 @@ def test_a_key_that_is_not_a_stream_is_an_error_not_a_skipped_write(client):
     client.set(stream_key("c"), "not a stream")
     with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
         write_events(client, [EventWrite("c", [delta(1)], first_number=1)], MAXLEN)
+
+
+def test_one_call_writes_each_request_at_its_own_number_and_ttl(client):
+    write_events(client, [EventWrite("y", [delta(1)], first_number=1)], MAXLEN)
+    write_events(client, [EventWrite("x", [delta(1), delta(2)], first_number=1),
+                          EventWrite("y", [delta(2), {"type": "done", "usage": {}, "t": 0.0}], ttl=60),
+                          EventWrite("z", [delta(7)], first_number=7)], MAXLEN)
+    assert [entry_id for entry_id, _ in entries(client, "x")] == ["0-1", "0-2"]
+    assert [entry_id for entry_id, _ in entries(client, "y")] == ["0-1", "0-2", "0-3"]
+    assert [entry_id for entry_id, _ in entries(client, "z")] == ["0-7"]
+    assert client.ttl(stream_key("x")) == -1 and 0 < client.ttl(stream_key("y")) <= 60

@@ -31,10 +31,9 @@ class StreamPublisher:
         return {"type": "error", "error": {"code": code, "message": message, "param": param}, "t": t}
 
     def publish(self, events: dict[str, tuple[int, list[dict]]], finished: list[str] = ()) -> None:
-        """All of one step's events, every request, in one round trip: request id -> (the number of
-        its first event here, its events). Each request's events are written atomically, and a
-        retried call (after a dropped connection) writes nothing twice: the streams are the requests'
-        checkpoints."""
+        """All of one step's events, every request, in one atomic script call: request id -> (the
+        number of its first event here, its events). A retried call (after a dropped connection)
+        writes nothing twice: the streams are the requests' checkpoints."""
         write_events(self.client, [EventWrite(request_id, request_events, first_number,
                                               self.ttl if request_id in finished else None)
                                    for request_id, (first_number, request_events) in events.items()], self.maxlen)
