@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from app.embedded_redis import start_redis_server, wait_for_redis
 from app.local_stack import free_port
@@ -39,6 +40,21 @@ def redis_url(tmp_path_factory):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_db(redis_url):
+    """A client of the module's Redis, emptied for the test."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def token_event(token_id: int) -> dict:
+    """A delta event of one token, as workers write them (app/streams.py)."""
+    return {"type": "delta", "index": 0, "text": f"t{token_id}", "token_ids": [token_id], "logprobs": None,
+            "finish_reason": None, "t": 0.0}
 
 
 @pytest.fixture(scope="module")

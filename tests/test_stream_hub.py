@@ -6,33 +6,18 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-import redis
-
 from app.stream_hub import StreamHub
 from app.streams import EventWrite, write_events
+from tests.conftest import token_event
 
 MAXLEN = 1000
-
-
-@pytest.fixture
-def client(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
-def delta(k: int) -> dict:
-    return {"type": "delta", "index": 0, "text": f"t{k}", "token_ids": [k], "logprobs": None,
-            "finish_reason": None, "t": 0.0}
 
 
 DONE = {"type": "done", "usage": {}, "t": 0.0}
 
 
-def write(client, request_id: str, first: int, events: list[dict]) -> None:
-    write_events(client, [EventWrite(request_id, events, first_number=first)], MAXLEN)
+def write(redis_db, request_id: str, first: int, events: list[dict]) -> None:
+    write_events(redis_db, [EventWrite(request_id, events, first_number=first)], MAXLEN)
 
 
 def collect(hub: StreamHub, request_id: str, out: list, last_id: str = "0-0") -> threading.Thread:
@@ -44,75 +29,75 @@ def collect(hub: StreamHub, request_id: str, out: list, last_id: str = "0-0") ->
     return thread
 
 
-def blocked_xreads(client) -> int:
-    return sum(1 for c in client.client_list() if c.get("cmd") == "xread" and "b" in c.get("flags", ""))
+def blocked_xreads(redis_db) -> int:
+    return sum(1 for c in redis_db.client_list() if c.get("cmd") == "xread" and "b" in c.get("flags", ""))
 
 
-def test_events_before_and_after_joining_arrive_in_order_once(client):
-    hub = StreamHub(client)
-    write(client, "a", 1, [delta(1), delta(2)])
+def test_events_before_and_after_joining_arrive_in_order_once(redis_db):
+    hub = StreamHub(redis_db)
+    write(redis_db, "a", 1, [token_event(1), token_event(2)])
     got = []
     reader = collect(hub, "a", got)
     time.sleep(0.2)
-    write(client, "a", 3, [delta(3)])
-    write(client, "a", 3, [delta(3), delta(4)])  # a retried write: 3 is there already
-    write(client, "a", 5, [DONE])
+    write(redis_db, "a", 3, [token_event(3)])
+    write(redis_db, "a", 3, [token_event(3), token_event(4)])  # a retried write: 3 is there already
+    write(redis_db, "a", 5, [DONE])
     reader.join(10)
     assert [entry_id for entry_id, _ in got] == ["0-1", "0-2", "0-3", "0-4", "0-5"]
     assert [event.get("token_ids") for _, event in got] == [[1], [2], [3], [4], None]
 
 
-def test_readers_at_different_positions_each_get_their_own_rest(client):
-    hub = StreamHub(client)
-    write(client, "b", 1, [delta(1), delta(2), delta(3)])
+def test_readers_at_different_positions_each_get_their_own_rest(redis_db):
+    hub = StreamHub(redis_db)
+    write(redis_db, "b", 1, [token_event(1), token_event(2), token_event(3)])
     whole, rest = [], []
     readers = [collect(hub, "b", whole), collect(hub, "b", rest, last_id="0-2")]
     time.sleep(0.2)
-    write(client, "b", 4, [delta(4), DONE])
+    write(redis_db, "b", 4, [token_event(4), DONE])
     for reader in readers:
         reader.join(10)
     assert [entry_id for entry_id, _ in whole] == ["0-1", "0-2", "0-3", "0-4", "0-5"]
     assert [entry_id for entry_id, _ in rest] == ["0-3", "0-4", "0-5"]
 
 
-def test_many_readers_share_one_blocked_read(client):
-    hub = StreamHub(client)
+def test_many_readers_share_one_blocked_read(redis_db):
+    hub = StreamHub(redis_db)
     results = {f"r{i}": [] for i in range(20)}
     readers = [collect(hub, request_id, out) for request_id, out in results.items()]
     time.sleep(0.5)
-    assert blocked_xreads(client) == 1  # not 20 connections, one per reader
+    assert blocked_xreads(redis_db) == 1  # not 20 connections, one per reader
     for step in range(1, 4):
-        write_events(client, [EventWrite(request_id, [delta(step)], first_number=step) for request_id in results], MAXLEN)
-    write_events(client, [EventWrite(request_id, [DONE], first_number=4) for request_id in results], MAXLEN)
+        write_events(redis_db, [EventWrite(request_id, [token_event(step)], first_number=step) for request_id in results], MAXLEN)
+    write_events(redis_db, [EventWrite(request_id, [DONE], first_number=4) for request_id in results], MAXLEN)
     for reader in readers:
         reader.join(10)
     assert all([e.get("token_ids") for _, e in out] == [[1], [2], [3], None] for out in results.values())
 
 
-def test_a_new_reader_wakes_the_hub_instead_of_waiting_out_its_block(client):
-    hub = StreamHub(client, block_ms=30_000)
+def test_a_new_reader_wakes_the_hub_instead_of_waiting_out_its_block(redis_db):
+    hub = StreamHub(redis_db, block_ms=30_000)
     first, second = [], []
     readers = [collect(hub, "c1", first)]
     time.sleep(0.3)  # the hub is now blocked for 30 s on c1 alone
-    write(client, "c2", 1, [delta(1), DONE])
+    write(redis_db, "c2", 1, [token_event(1), DONE])
     started = time.monotonic()
     readers.append(collect(hub, "c2", second))
     readers[1].join(10)
     assert [e["type"] for _, e in second] == ["delta", "done"]
     assert time.monotonic() - started < 10, "the second reader waited for the first reader's block to end"
-    write(client, "c1", 1, [DONE])
+    write(redis_db, "c1", 1, [DONE])
     readers[0].join(10)
     assert [e["type"] for _, e in first] == ["done"]
 
 
-def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(client, monkeypatch):
+def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(redis_db, monkeypatch):
     monkeypatch.setattr(StreamHub, "IDLE_EXIT_S", 0.3)
-    hub = StreamHub(client, block_ms=100)
+    hub = StreamHub(redis_db, block_ms=100)
     items = list(hub.read_events("quiet", idle_s=0.1, timeout=0.35))
     assert items and all(item == (None, None) for item in items)
     deadline = time.monotonic() + 5
     while hub._thread is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hub._thread is None
-    write(client, "later", 1, [DONE])  # a reader after that starts a thread again
+    write(redis_db, "later", 1, [DONE])  # a reader after that starts a thread again
     assert [e["type"] for _, e in hub.read_events("later") if e is not None] == ["done"]

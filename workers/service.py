@@ -127,12 +127,12 @@ class EngineService:
             self.engine = self._engine_factory()
             totals = _Totals()
             self._stats = {**self.engine.stats(), **totals.as_dict()}
+            progress = _Progress(totals)
         except BaseException as err:  # reported by start() in the worker's main thread
             self._load_error = err
             return
         finally:
             self._ready.set()
-        progress = _Progress()
         while not self._stopping.is_set():
             try:
                 self._admit()
@@ -147,9 +147,7 @@ class EngineService:
                     continue
                 started = time.perf_counter()
                 deltas = self.engine.step()
-                seconds, tokens = time.perf_counter() - started, sum(len(d.token_ids) for d in deltas)
-                progress.add(seconds, tokens)
-                totals.add(seconds, tokens)
+                totals.add(time.perf_counter() - started, sum(len(d.token_ids) for d in deltas))
                 self._dispatch(deltas)
                 with self._stats_lock:
                     self._stats = {**self.engine.stats(), **totals.as_dict()}
@@ -304,29 +302,28 @@ class _Totals:
 
 
 class _Progress:
-    """What the engine loop did lately, logged every LOG_EVERY_S while it works."""
+    """What the engine loop did lately (from its totals), logged every LOG_EVERY_S while it works."""
 
     LOG_EVERY_S = 10.0
 
-    def __init__(self):
-        self.since = time.monotonic()
-        self.steps = self.tokens = 0
-        self.step_seconds = 0.0
+    def __init__(self, totals: _Totals):
+        self.totals = totals
+        self._mark()
 
-    def add(self, seconds: float, tokens: int) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-        self.tokens += tokens
+    def _mark(self) -> None:
+        self.since = time.monotonic()
+        self.start = (self.totals.steps, self.totals.busy_seconds, self.totals.tokens)
 
     def report(self, stats: dict) -> None:
         elapsed = time.monotonic() - self.since
-        if elapsed < self.LOG_EVERY_S or not self.steps:
+        steps, busy, tokens = (now - then for now, then in zip((self.totals.steps, self.totals.busy_seconds,
+                                                                  self.totals.tokens), self.start))
+        if elapsed < self.LOG_EVERY_S or not steps:
             return
         log.info("engine: %d steps (%.1f ms each, busy %.0f%%), %.0f tokens/s; running %d, waiting %d, "
-                 "free KV blocks %d/%d", self.steps, 1000 * self.step_seconds / self.steps,
-                 100 * self.step_seconds / elapsed, self.tokens / elapsed, stats["running"], stats["waiting"],
-                 stats["free_blocks"], stats["total_blocks"])
-        self.__init__()
+                 "free KV blocks %d/%d", steps, 1000 * busy / steps, 100 * busy / elapsed, tokens / elapsed,
+                 stats["running"], stats["waiting"], stats["free_blocks"], stats["total_blocks"])
+        self._mark()
 
 
 _current: EngineService | None = None
