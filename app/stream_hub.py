@@ -134,12 +134,18 @@ class StreamHub:
                 if key == self._wake_key:
                     self._wake_last_id = decoded[-1][0]
                     continue
-                self._hand_over(key, decoded)
+                self._hand_over(key, decoded, read_after=positions[key])
 
-    def _hand_over(self, key: str, entries: list[tuple[str, bytes]]) -> None:
+    def _hand_over(self, key: str, entries: list[tuple[str, bytes]], read_after: str) -> None:
+        """Give each reader of `key` the entries past its position, from a read of the entries after
+        `read_after`. A reader whose position is before that (it joined during the read) gets nothing
+        from it: the read does not hold all it needs. The next read starts at its position."""
+        read_from = _id_key(read_after)
         with self._lock:
             for reader in self._readers.get(key, ()):
                 after = _id_key(reader.last_id)
+                if after < read_from:
+                    continue
                 fresh = [entry for entry in entries if _id_key(entry[0]) > after]
                 if fresh:
                     reader.last_id = fresh[-1][0]

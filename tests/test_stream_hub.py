@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-from app.stream_hub import StreamHub
-from app.streams import EventWrite, write_events
+from app.stream_hub import StreamHub, _Reader
+from app.streams import EventWrite, stream_key, write_events
 from tests.conftest import token_event
 
 MAXLEN = 1000
@@ -101,3 +101,17 @@ def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(redi
     assert hub._thread is None
     write(redis_db, "later", 1, [DONE])  # a reader after that starts a thread again
     assert [e["type"] for _, e in hub.read_events("later") if e is not None] == ["done"]
+
+
+def test_a_reader_behind_the_read_waits_for_a_read_from_its_own_position(redis_db):
+    # A reader that joins while the hub reads from further on (another reader's position) must not be
+    # handed that read's entries: it would skip the ones between its position and the read's.
+    hub = StreamHub(redis_db)
+    ahead, behind = _Reader(stream_key("d"), "0-7"), _Reader(stream_key("d"), "0-5")
+    hub._readers[stream_key("d")] = {ahead, behind}
+    hub._hand_over(stream_key("d"), [("0-8", b"{}"), ("0-9", b"{}")], read_after="0-7")
+    assert [entry_id for entry_id, _ in ahead.queue.get_nowait()] == ["0-8", "0-9"]
+    assert behind.queue.empty() and behind.last_id == "0-5"
+    hub._hand_over(stream_key("d"), [(f"0-{n}", b"{}") for n in range(6, 10)], read_after="0-5")
+    assert [entry_id for entry_id, _ in behind.queue.get_nowait()] == ["0-6", "0-7", "0-8", "0-9"]
+    assert ahead.queue.empty()
