@@ -22,16 +22,11 @@ from collections.abc import Iterator
 
 import redis
 
-from app.streams import stream_key
+from app.streams import entry_id_key, stream_key
 
 log = logging.getLogger(__name__)
 
 _WAKE_TTL_S = 3600  # the wake stream of a web process that died goes away by itself
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    milliseconds, _, sequence = entry_id.partition("-")
-    return int(milliseconds), int(sequence or 0)
 
 
 class _Reader:
@@ -62,8 +57,8 @@ class StreamHub:
         until a done or error event. Yields (None, None) after each `idle_s` with nothing new, so a
         caller can check its client is still there; stops after `timeout` seconds without any event."""
         reader = _Reader(stream_key(request_id), last_id)
-        self._join(reader)
         try:
+            self._join(reader)
             idle_since = time.monotonic()
             while True:
                 try:
@@ -106,7 +101,7 @@ class StreamHub:
         while True:
             with self._lock:
                 if self._readers:
-                    positions = {key: min((r.last_id for r in readers), key=_id_key)
+                    positions = {key: min((r.last_id for r in readers), key=entry_id_key)
                                  for key, readers in self._readers.items()}
                     positions[self._wake_key] = self._wake_last_id
                     return positions
@@ -140,13 +135,13 @@ class StreamHub:
         """Give each reader of `key` the entries past its position, from a read of the entries after
         `read_after`. A reader whose position is before that (it joined during the read) gets nothing
         from it: the read does not hold all it needs. The next read starts at its position."""
-        read_from = _id_key(read_after)
+        read_from = entry_id_key(read_after)
         with self._lock:
             for reader in self._readers.get(key, ()):
-                after = _id_key(reader.last_id)
+                after = entry_id_key(reader.last_id)
                 if after < read_from:
                     continue
-                fresh = [entry for entry in entries if _id_key(entry[0]) > after]
+                fresh = [entry for entry in entries if entry_id_key(entry[0]) > after]
                 if fresh:
                     reader.last_id = fresh[-1][0]
                     reader.queue.put(fresh)

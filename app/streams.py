@@ -128,6 +128,12 @@ def publish_events(client: redis.Redis, request_id: str, events: list[dict], max
     write_events(client, [EventWrite(request_id, events, ttl=ttl)], maxlen)
 
 
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("<ms>-<seq>", or "<ms>") as a tuple that sorts as Redis orders ids."""
+    milliseconds, _, sequence = entry_id.partition("-")
+    return int(milliseconds), int(sequence or 0)
+
+
 def event_number(entry_id: str) -> int:
     """The number of the event a stream entry id ("0-<n>") stands for."""
     return int(entry_id.split("-")[1])

@@ -33,7 +33,7 @@ from app.api.completions import submit
 from app.errors import APIError
 from app.models import Request
 from app.stream_hub import StreamHub
-from app.streams import publish_events, request_cancel, stream_key
+from app.streams import entry_id_key, publish_events, request_cancel, stream_key
 from workers.publisher import StreamPublisher
 
 blueprint = Blueprint("requests", __name__, url_prefix="/v1")
@@ -86,7 +86,7 @@ def request_events(request_id: str):
     if not _STREAM_ID.match(last_id):
         raise APIError(400, f"Last-Event-ID must be a stream entry id such as 0-12 (the id of the last event received), got {last_id!r}",
                        param="last_event_id", code="invalid_request")
-    if max(_id_key(last_id)) >= _MAX_STREAM_ID_PART:  # Redis refuses such an id: that was a 500
+    if max(entry_id_key(last_id)) >= _MAX_STREAM_ID_PART:  # Redis refuses such an id: that was a 500
         raise APIError(400, f"Last-Event-ID {last_id!r} is past any stream entry id (each part is below 2**64)",
                        param="last_event_id", code="invalid_request")
     cancel_on_disconnect = request.args.get("cancel_on_disconnect", "false").lower() in ("true", "1", "yes")
@@ -96,7 +96,7 @@ def request_events(request_id: str):
         entry_id, fields = last_entry[0]
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         event = json.loads(fields.get(b"data") or fields.get("data"))
-        if event["type"] in ("done", "error") and _id_key(entry_id) <= _id_key(last_id):
+        if event["type"] in ("done", "error") and entry_id_key(entry_id) <= entry_id_key(last_id):
             return Response(status=204)  # the client has everything, the end included
     elif row.status in TERMINAL:
         raise APIError(410, f"the event stream of request {request_id} has expired; its result is at "
@@ -164,8 +164,3 @@ def _row(request_id: str) -> Request:
     a request's Redis stream only after this check: the stream is reached only through its row."""
     with common.db().read() as session:  # polled often: it waits for no writer
         return common.owned(session, Request, request_id, "request")
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
