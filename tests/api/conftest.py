@@ -3,8 +3,46 @@ server and the migrated template database are tests/conftest.py's)."""
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 
 import pytest
+import redis
+
+from app.api import common
+from app.streams import publish_events
+
+
+# ---- a stand-in for the worker: the web tier's tests run without one ------------------------------
+
+class StandInWorker:
+    """Replaces `enqueue`: records each request id and, if given `events`, publishes them a little
+    later from another thread, as a worker would while the web process waits (app/streams.py's
+    contract). `hold` keeps the submission inside enqueue until it is set."""
+
+    def __init__(self, r: redis.Redis):
+        self.r, self.ids, self.events, self.hold = r, [], None, None
+
+    def __call__(self, task_name, args, model):
+        assert task_name == "llmq.complete"
+        self.ids.append(args[0])
+        if self.hold is not None:
+            self.hold.wait(10)
+        if self.events is not None:
+            threading.Thread(target=self.publish, args=(args[0], self.events, 0.05), daemon=True).start()
+
+    def publish(self, request_id, events, delay=0.0):
+        for event in events:
+            time.sleep(delay)
+            publish_events(self.r, request_id, [event], maxlen=1000, ttl=60)
+
+
+@pytest.fixture
+def worker(monkeypatch, redis_url):
+    stand_in = StandInWorker(redis.Redis.from_url(redis_url))
+    monkeypatch.setattr(common, "enqueue", stand_in)
+    return stand_in
+
 
 # ---- access (keys, tenants, limits, idempotency): apps on one database and one Redis ----------------
 
@@ -15,8 +53,6 @@ ACCESS_MODEL = "stories260k"
 def make_app(tmp_path, migrated_db, redis_url, stories_dir):
     """A factory of web apps sharing one fresh migrated SQLite database and the (flushed) test Redis,
     as several web processes of one deployment do. Keyword arguments are Settings fields."""
-    import redis
-
     from app import create_app
     from app.config import Settings
 

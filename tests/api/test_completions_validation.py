@@ -2,9 +2,9 @@
 a real Redis server and a migrated SQLite database.
 
 Bad input must answer the OpenAI error shape naming the field. Where an answer needs a worker, a
-fake one stands in: `enqueue` is replaced by a function that writes the events a worker would
-(app/streams.py's contract) into the request's stream, so the assembly of answers, stream chunks,
-resume and cancel are checked exactly.
+stand-in takes its place (tests/api/conftest.py): `enqueue` is replaced by one that writes the
+events a worker would (app/streams.py's contract) into the request's stream, so the assembly of
+answers, stream chunks, resume and cancel are checked exactly.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from app import create_app
 from app.api import common
 from app.config import Settings
 from app.models import Request
-from app.streams import cancel_key, publish_events, stream_key
+from app.streams import cancel_key, stream_key
+from tests.api.conftest import StandInWorker
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "stories260k"
@@ -68,32 +68,6 @@ def client(app):
 @pytest.fixture
 def r(redis_url):
     return redis.Redis.from_url(redis_url)
-
-
-class FakeWorker:
-    """Stands in for enqueue: records each request id and, if given events, publishes them a little
-    later from another thread, as a worker would while the web process waits."""
-
-    def __init__(self, r: redis.Redis):
-        self.r, self.ids, self.events = r, [], None
-
-    def __call__(self, task_name, args, model):
-        assert task_name == "llmq.complete"
-        self.ids.append(args[0])
-        if self.events is not None:
-            threading.Thread(target=self.publish, args=(args[0], self.events, 0.05), daemon=True).start()
-
-    def publish(self, request_id, events, delay=0.0):
-        for event in events:
-            time.sleep(delay)
-            publish_events(self.r, request_id, [event], maxlen=1000, ttl=60)
-
-
-@pytest.fixture
-def worker(monkeypatch, r):
-    fake = FakeWorker(r)
-    monkeypatch.setattr(common, "enqueue", fake)
-    return fake
 
 
 def delta(index, text, finish_reason=None, token_ids=(), logprobs=None):
@@ -286,7 +260,7 @@ def test_completion_stream_chunks_usage_and_done(client, worker):
 
 def test_chat_stream_and_wait(tmp_path, migrated_db, redis_url, chat_model_dir, r, monkeypatch):
     chat_app = make_app(tmp_path, migrated_db, redis_url, chat_model_dir, "stories-chat")
-    client, worker = chat_app.test_client(), FakeWorker(r)
+    client, worker = chat_app.test_client(), StandInWorker(r)
     monkeypatch.setattr(common, "enqueue", worker)
     messages = [{"role": "user", "content": "Tell a story"}]
     worker.events = [delta(0, "Once"), delta(0, " more", "stop"), done()]

@@ -1,9 +1,8 @@
 """Idempotency-Key on POST: a retried submission gets the first answer and never makes a second job.
 
-Real Redis, a real migrated SQLite database, the real app. Where an answer needs a worker, a stand-in
-for `enqueue` writes the events a worker would into the request's Redis stream (app/streams.py's
-contract), as in test_completions_validation.py; elsewhere the real enqueue puts tasks on the real
-broker queue, which is counted.
+Real Redis, a real migrated SQLite database, the real app. Where an answer needs a worker, the
+stand-in for `enqueue` (tests/api/conftest.py) writes the events a worker would into the request's
+Redis stream; elsewhere the real enqueue puts tasks on the real broker queue, which is counted.
 """
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ import time
 import pytest
 import redis
 
-from app.api import common
 from app.models import Batch, File, Request
-from app.streams import publish_events
 
 MODEL = "stories260k"
 QUEUE = f"llmq.{MODEL}"
@@ -36,32 +33,6 @@ def rows(app, model) -> list:
 
 def idem(key: str, **headers) -> dict:
     return {"Idempotency-Key": key, **headers}
-
-
-class StandInWorker:
-    """Replaces enqueue: records each request id and publishes `events` for it from another thread, a
-    little later, as a worker would. `hold` keeps the submission inside enqueue until it is set."""
-
-    def __init__(self, r: redis.Redis):
-        self.r, self.ids, self.events, self.hold = r, [], [], None
-
-    def __call__(self, task_name, args, model):
-        self.ids.append(args[0])
-        if self.hold is not None:
-            self.hold.wait(10)
-        threading.Thread(target=self.publish, args=(args[0],), daemon=True).start()
-
-    def publish(self, request_id):
-        for event in self.events:
-            time.sleep(0.05)
-            publish_events(self.r, request_id, [event], maxlen=1000, ttl=60)
-
-
-@pytest.fixture
-def worker(monkeypatch, broker):
-    stand_in = StandInWorker(broker)
-    monkeypatch.setattr(common, "enqueue", stand_in)
-    return stand_in
 
 
 def events(text: str = " there was") -> list[dict]:
