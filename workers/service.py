@@ -13,7 +13,9 @@ its work to the queue at once instead of finishing it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -47,10 +49,14 @@ class EngineService:
     """`engine_factory` builds (loads and warms) the engine on the loop thread itself: the thread that
     first runs torch work owns an OpenMP thread team, and a second team in the process (one made by a
     load on another thread) puts OpenMP into its yield-and-sleep mode on a small machine, which made
-    every step of the worker measurably slower than the same step offline."""
+    every step of the worker measurably slower than the same step offline.
 
-    def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher):
+    `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
+    starts inherit it (see Settings.resolved_engine_nice)."""
+
+    def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0):
         self._engine_factory = engine_factory
+        self._nice = nice
         self.engine: "LLMEngine | None" = None
         self.publisher = publisher
         self._intake: queue.Queue[Job] = queue.Queue()
@@ -124,6 +130,7 @@ class EngineService:
 
     def _loop(self) -> None:
         try:
+            _set_thread_nice(self._nice)
             self.engine = self._engine_factory()
             totals = _Totals()
             self._stats = {**self.engine.stats(), **totals.as_dict()}
@@ -283,6 +290,22 @@ class EngineService:
             log.warning("ending %d request(s) in flight: %s", len(self._jobs), error)
         for job in list(self._jobs.values()):
             self._end(job, error)
+
+
+def _set_thread_nice(nice: int) -> None:
+    """Give the calling thread (and the threads it starts from now on) this nice value. Linux keeps
+    one per thread; elsewhere the engine keeps the process's priority."""
+    if not nice:
+        return
+    if not sys.platform.startswith("linux"):
+        log.info("engine priority (nice %d) not set: per-thread priorities need Linux", nice)
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError as err:  # raising priority (a lower nice than the process has) needs privileges
+        log.warning("could not set the engine threads' nice value to %d: %s", nice, err)
+        return
+    log.info("engine threads run at nice %d: the serving threads sharing their CPU cores go first", nice)
 
 
 class _Totals:
