@@ -111,7 +111,7 @@ class BatchItem(Base):
     line: Mapped[int] = mapped_column(Integer)
     custom_id: Mapped[str | None] = mapped_column(String(500), default=None)
     body: Mapped[dict | None] = mapped_column(JSON, default=None)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|completed|failed|cancelled
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|running|completed|failed|cancelled
     request_id: Mapped[str | None] = mapped_column(String(64), default=None)
     result: Mapped[str | None] = mapped_column(Text, default=None)  # the JSONL line for the output/error file
 

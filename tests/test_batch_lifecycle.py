@@ -112,3 +112,21 @@ def test_lines_over_the_creating_keys_max_tokens_are_error_lines(db, batch_id):
     errors = [json.loads(item.result)["error"] for item in items(db, strict_id)]
     assert [e["code"] for e in errors] == ["invalid_request"] * 5
     assert all("max_tokens is 4" in e["message"] and "at most 3" in e["message"] for e in errors)
+
+
+def test_a_batch_ends_only_when_no_line_is_pending_or_running(db, batch_id):
+    first, second, *rest = items(db, batch_id)
+    with db.session() as session:
+        for item in rest:
+            batch_lifecycle.record_result(session, item.id, "completed", {"custom_id": item.custom_id})
+        batch_lifecycle.claim_item(session, first.id, "cmpl-first")  # running; the second is pending
+    with db.session() as session:
+        assert batch_lifecycle.finalize_if_done(session, batch_id) is None
+        batch_lifecycle.record_result(session, second.id, "cancelled", None)  # ended, counted nowhere
+    with db.session() as session:
+        assert batch_lifecycle.finalize_if_done(session, batch_id) is None  # the first still runs
+        batch_lifecycle.record_result(session, first.id, "failed", {"custom_id": "c0", "error": {}})
+    with db.session() as session:
+        assert batch_lifecycle.finalize_if_done(session, batch_id) == "completed"
+        batch = session.get(Batch, batch_id)
+        assert (batch.total, batch.completed, batch.failed) == (5, 3, 1)

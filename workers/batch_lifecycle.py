@@ -13,7 +13,7 @@ import json
 import logging
 import time
 
-from sqlalchemy import func, select, update
+from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
 from app.models import Batch, BatchItem, File
@@ -24,6 +24,7 @@ from workers.openai_protocol import (CHAT_ENDPOINT, BatchLineError, batch_error_
 log = logging.getLogger(__name__)
 
 TERMINAL_ITEM_STATES = ("completed", "failed", "cancelled")
+UNFINISHED_ITEM_STATES = ("pending", "running")
 # Someone is waiting on an API request; nobody is on one batch line. Batch lines are queued at a lower
 # broker priority (kombu reads a Redis queue's priority lists in order, 0 first), so an app's request
 # does not wait behind a bulk job's backlog.
@@ -102,7 +103,7 @@ def claim_item(session: Session, item_id: int, request_id: str) -> tuple[BatchIt
 
 def pending_items(session: Session, batch_id: str) -> list[BatchItem]:
     return list(session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id,
-                                                        BatchItem.status.in_(("pending", "running")))))
+                                                        BatchItem.status.in_(UNFINISHED_ITEM_STATES))))
 
 
 def record_result(session: Session, item_id: int, status: str, line: dict | None) -> bool:
@@ -131,8 +132,10 @@ def error_line(item: BatchItem, code: str, message: str) -> dict:
 def finalize_if_done(session: Session, batch_id: str) -> str | None:
     """If no item is left to run, write the output and error files and end the batch. Returns the
     new status, or None if the batch is not done (or another process is finalizing it)."""
-    unfinished = session.scalar(select(func.count()).select_from(BatchItem).where(
-        BatchItem.batch_id == batch_id, BatchItem.status.not_in(TERMINAL_ITEM_STATES)))
+    # Every line asks this when it ends: an index seek on (batch_id, status) for one unfinished row,
+    # not a count of the batch's rows, which made a batch of n lines cost n^2 / 2 row visits.
+    unfinished = session.scalar(select(exists().where(BatchItem.batch_id == batch_id,
+                                                      BatchItem.status.in_(UNFINISHED_ITEM_STATES))))
     if unfinished:
         return None
     now = time.time()

@@ -82,7 +82,7 @@ class Sweeper:
             items = session.execute(select(BatchItem.id, BatchItem.request_id, Batch.model)
                                     .join(Batch, Batch.id == BatchItem.batch_id)
                                     .where(Batch.status == "in_progress", Batch.model.in_(idle_models),
-                                           BatchItem.status.in_(("pending", "running")))).all()
+                                           BatchItem.status.in_(batch_lifecycle.UNFINISHED_ITEM_STATES))).all()
             requests = session.execute(select(Request.id, Request.model).where(
                 Request.status.in_(("queued", "running")), Request.batch_id.is_(None),
                 Request.model.in_(idle_models))).all()
