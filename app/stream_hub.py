@@ -12,7 +12,6 @@ A plain Redis client reads a stream the same way: XREAD from the last entry id i
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -20,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import orjson
 import redis
 
 from app.streams import entry_id_key, stream_key
@@ -70,7 +70,7 @@ class StreamHub:
                     continue
                 idle_since = time.monotonic()
                 for entry_id, data in entries:
-                    event = json.loads(data)
+                    event = orjson.loads(data)
                     yield entry_id, event
                     if event["type"] in ("done", "error"):
                         return
@@ -113,7 +113,7 @@ class StreamHub:
     def _run(self) -> None:
         while (positions := self._positions()) is not None:
             try:
-                reply = self._client.xread(positions, count=self._count, block=self._block_ms)
+                received = self._read(positions)
             except redis.RedisError as err:  # Redis restarting: the readers wait (their heartbeats go on)
                 log.warning("stream hub: reading %d stream(s) failed, retrying: %s", len(positions) - 1, err)
                 time.sleep(0.5)
@@ -122,20 +122,43 @@ class StreamHub:
                 log.exception("stream hub: unexpected error; retrying")
                 time.sleep(0.5)
                 continue
-            for key, entries in reply or ():
-                key = key.decode() if isinstance(key, bytes) else key
-                decoded = [(entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
-                            fields.get(b"data") or fields.get("data")) for entry_id, fields in entries]
-                if key == self._wake_key:
-                    self._wake_last_id = decoded[-1][0]
-                    continue
-                self._hand_over(key, decoded, read_after=positions[key])
+            handed = [(reader, fresh) for key, entries in received.items()
+                      for reader, fresh in self._hand_over(key, entries, read_after=positions[key])]
+            # Wake the readers only now: each woken thread competes with this one for the interpreter,
+            # so waking them during the hand-over made it take several times as long.
+            for reader, fresh in handed:
+                reader.queue.put(fresh)
 
-    def _hand_over(self, key: str, entries: list[tuple[str, bytes]], read_after: str) -> None:
-        """Give each reader of `key` the entries past its position, from a read of the entries after
-        `read_after`. A reader whose position is before that (it joined during the read) gets nothing
-        from it: the read does not hold all it needs. The next read starts at its position."""
+    def _read(self, positions: dict[str, str]) -> dict[str, list[tuple[str, bytes]]]:
+        """The entries after `positions`, by stream: a blocked XREAD, then one more without BLOCK for
+        the streams it left out. Redis before 7.2 answers a blocked XREAD with the first of its streams
+        to get an entry only, though a worker's step has written to all of them at once: reading the
+        rest before handing anything over wakes each reader once per step, and no early reader's thread
+        competes with this one for the interpreter while the rest are read."""
+        received = self._decode(self._client.xread(positions, count=self._count, block=self._block_ms))
+        if received and len(positions) > 2:  # more than one request stream (and the wake stream)
+            after = {key: received[key][-1][0] if key in received else position for key, position in positions.items()}
+            for key, entries in self._decode(self._client.xread(after, count=self._count)).items():
+                received.setdefault(key, []).extend(entries)
+        if self._wake_key in received:
+            self._wake_last_id = received.pop(self._wake_key)[-1][0]
+        return received
+
+    @staticmethod
+    def _decode(reply) -> dict[str, list[tuple[str, bytes]]]:
+        return {(key.decode() if isinstance(key, bytes) else key):
+                [(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields.get(b"data") or fields.get("data"))
+                 for entry_id, fields in entries]
+                for key, entries in reply or ()}
+
+    def _hand_over(self, key: str, entries: list[tuple[str, bytes]],
+                   read_after: str) -> list[tuple[_Reader, list[tuple[str, bytes]]]]:
+        """Which reader of `key` gets which entries (those past its position), from a read of the
+        entries after `read_after`; moves each reader's position past them. A reader whose position is
+        before that (it joined during the read) gets nothing from it: the read does not hold all it
+        needs. The next read starts at its position."""
         read_from = entry_id_key(read_after)
+        handed = []
         with self._lock:
             for reader in self._readers.get(key, ()):
                 after = entry_id_key(reader.last_id)
@@ -144,4 +167,5 @@ class StreamHub:
                 fresh = [entry for entry in entries if entry_id_key(entry[0]) > after]
                 if fresh:
                     reader.last_id = fresh[-1][0]
-                    reader.queue.put(fresh)
+                    handed.append((reader, fresh))
+        return handed

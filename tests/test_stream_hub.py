@@ -109,9 +109,9 @@ def test_a_reader_behind_the_read_waits_for_a_read_from_its_own_position(redis_d
     hub = StreamHub(redis_db)
     ahead, behind = _Reader(stream_key("d"), "0-7"), _Reader(stream_key("d"), "0-5")
     hub._readers[stream_key("d")] = {ahead, behind}
-    hub._hand_over(stream_key("d"), [("0-8", b"{}"), ("0-9", b"{}")], read_after="0-7")
-    assert [entry_id for entry_id, _ in ahead.queue.get_nowait()] == ["0-8", "0-9"]
-    assert behind.queue.empty() and behind.last_id == "0-5"
-    hub._hand_over(stream_key("d"), [(f"0-{n}", b"{}") for n in range(6, 10)], read_after="0-5")
-    assert [entry_id for entry_id, _ in behind.queue.get_nowait()] == ["0-6", "0-7", "0-8", "0-9"]
-    assert ahead.queue.empty()
+    handed = hub._hand_over(stream_key("d"), [("0-8", b"{}"), ("0-9", b"{}")], read_after="0-7")
+    assert [(reader, [entry_id for entry_id, _ in fresh]) for reader, fresh in handed] == [(ahead, ["0-8", "0-9"])]
+    assert ahead.last_id == "0-9" and behind.last_id == "0-5"
+    handed = hub._hand_over(stream_key("d"), [(f"0-{n}", b"{}") for n in range(6, 10)], read_after="0-5")
+    assert [(reader, [entry_id for entry_id, _ in fresh]) for reader, fresh in handed] == [
+        (behind, ["0-6", "0-7", "0-8", "0-9"])]  # the one ahead has these already
