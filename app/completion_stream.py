@@ -6,7 +6,7 @@ answers here, so a client sees the same text, finish reasons and logprobs whiche
 """
 from __future__ import annotations
 
-import json
+import orjson
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -20,13 +20,13 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse_data(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {orjson.dumps(obj).decode()}\n\n"
 
 
 def sse_event(entry_id: str | None, event: dict) -> str:
     """A raw stream event as SSE, with the stream entry id so a client can resume (Last-Event-ID)."""
     head = f"id: {entry_id}\n" if entry_id else ""
-    return f"{head}event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+    return f"{head}event: {event['type']}\ndata: {orjson.dumps(event).decode()}\n\n"
 
 
 def event_logprobs(raw: list[dict] | None) -> list[TokenLogprob] | None:

@@ -31,9 +31,9 @@ reader sees one unbroken sequence of events, nothing twice.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 
+import orjson
 import redis
 
 CANCEL_CHANNEL = "llmq:cancel"
@@ -111,7 +111,7 @@ def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int) -> 
     keys, args = [], [maxlen]
     for write in writes:
         keys += [stream_key(write.request_id), tokens_channel(write.request_id)]
-        args += [write.first_number, write.ttl or 0, len(write.events), *(json.dumps(event) for event in write.events)]
+        args += [write.first_number, write.ttl or 0, len(write.events), *(orjson.dumps(event) for event in write.events)]
     for attempt in range(2):
         try:
             client.evalsha(_APPEND_EVENTS_SHA, len(keys), *keys, *args)
@@ -178,7 +178,7 @@ def read_progress(client: redis.Redis, request_id: str) -> StreamProgress:
     progress = StreamProgress()
     for entry_id, fields in client.xrange(stream_key(request_id)):
         progress.num_events = event_number(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
-        event = json.loads(fields.get(b"data") or fields.get("data"))
+        event = orjson.loads(fields.get(b"data") or fields.get("data"))
         if event["type"] != "delta":
             progress.ended_with = event
             continue

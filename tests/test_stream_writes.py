@@ -27,7 +27,7 @@ def published(pubsub) -> list[int]:
                 break
             continue
         if message["type"] == "message":
-            ids.append(int(message["data"].decode().split('"token_ids": [')[1].split("]")[0]))
+            ids.extend(json.loads(message["data"])["token_ids"])
     return ids
 
 
