@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def _int(name: str, default: int | None) -> int | None:
+def _int(name: str, default: int) -> int:
     value = os.environ.get(name)
     try:
         return int(value) if value not in (None, "") else default
@@ -51,7 +51,11 @@ class Settings:
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
     worker_threads: int | None = None  # Celery threads per worker; default: max_num_seqs
-    engine_nice: int | None = None  # the engine threads' CPU priority; default: see resolved_engine_nice
+    # The nice value of the engine's loop thread and the CPU threads it computes with. Raised (10), the
+    # web server, Redis and the worker's task threads that share the engine's CPU cores run first
+    # when they wake: on the 2-core development machine that took 1-2 ms off the step -> SSE latency
+    # and cost about a tenth of a batch's throughput (OpenMP halves wait for each preempted half).
+    engine_nice: int = 0
     engine_extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -83,7 +87,7 @@ class Settings:
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
-            engine_nice=_int("LLMQ_ENGINE_NICE", None),
+            engine_nice=_int("LLMQ_ENGINE_NICE", 0),
         )
 
     def resolved_model_path(self) -> Path:
@@ -92,16 +96,6 @@ class Settings:
             return Path(self.model_path)
         from workers.model.checkpoint import ensure_default_model  # torch-free
         return ensure_default_model(self.home / "models")
-
-    def resolved_engine_nice(self) -> int:
-        """The nice value of the engine's loop thread and the CPU threads it computes with. On the CPU
-        the engine's matrix products are the bulk work, and the threads that move tokens (the web
-        server, Redis, the worker's task threads) share its cores: at nice 10 those preempt it at once
-        when they wake, instead of waiting their turn behind a step. On a GPU the loop thread only
-        feeds the device and must not wait, so it keeps the default priority (0)."""
-        if self.engine_nice is not None:
-            return self.engine_nice
-        return 10 if self.device == "cpu" else 0
 
     def resolved_model_name(self) -> str:
         return self.model_name or self.resolved_model_path().name

@@ -52,7 +52,7 @@ class EngineService:
     every step of the worker measurably slower than the same step offline.
 
     `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
-    starts inherit it (see Settings.resolved_engine_nice)."""
+    starts inherit it (LLMQ_ENGINE_NICE, see Settings.engine_nice)."""
 
     def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0):
         self._engine_factory = engine_factory

@@ -1,4 +1,4 @@
-"""On the CPU the engine's threads yield their cores to the threads that move tokens (LLMQ_ENGINE_NICE)."""
+"""LLMQ_ENGINE_NICE reaches the engine's threads and only them (the service tests' stack sets 10)."""
 from __future__ import annotations
 
 import sys
