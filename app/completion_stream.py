@@ -6,9 +6,10 @@ answers here, so a client sees the same text, finish reasons and logprobs whiche
 """
 from __future__ import annotations
 
-import orjson
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import orjson
 
 from workers.engine.outputs import TokenLogprob
 from workers.openai_protocol import chat_logprobs, completion_logprobs, response_finish_reason
