@@ -18,6 +18,18 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+def _flag(name: str) -> bool | None:
+    """A yes/no variable (1/0, true/false, yes/no); None when unset."""
+    value = (os.environ.get(name) or "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name} must be 1 or 0 (true/false), got {value!r}")
+
+
 def _str(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
@@ -56,6 +68,7 @@ class Settings:
     # when they wake: on the 2-core development machine that took 1-2 ms off the step -> SSE latency
     # and cost about a tenth of a batch's throughput (OpenMP halves wait for each preempted half).
     engine_nice: int = 0
+    background_stream_writes: bool | None = None  # see resolved_background_stream_writes
     engine_extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -88,6 +101,7 @@ class Settings:
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
             engine_nice=_int("LLMQ_ENGINE_NICE", 0),
+            background_stream_writes=_flag("LLMQ_BACKGROUND_STREAM_WRITES"),
         )
 
     def resolved_model_path(self) -> Path:
@@ -96,6 +110,14 @@ class Settings:
             return Path(self.model_path)
         from workers.model.checkpoint import ensure_default_model  # torch-free
         return ensure_default_model(self.home / "models")
+
+    def resolved_background_stream_writes(self) -> bool:
+        """Whether a thread of its own writes each engine step's token events (workers/step_writer.py)
+        while the next step runs: by default on a GPU, where the device would idle while the loop
+        writes, and not on the CPU, where the write and the step compete for the same cores."""
+        if self.background_stream_writes is not None:
+            return self.background_stream_writes
+        return self.device != "cpu"
 
     def resolved_model_name(self) -> str:
         return self.model_name or self.resolved_model_path().name

@@ -1,4 +1,4 @@
-"""Settings read from the environment: the engine's nice value."""
+"""Settings read from the environment: the engine's nice value, where its stream writes run."""
 from __future__ import annotations
 
 import pytest
@@ -17,4 +17,24 @@ def test_engine_nice(monkeypatch, value, expected):
 def test_a_non_integer_engine_nice_names_the_variable(monkeypatch):
     monkeypatch.setenv("LLMQ_ENGINE_NICE", "low")
     with pytest.raises(ValueError, match="LLMQ_ENGINE_NICE must be an integer"):
+        Settings.from_env()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, False),  # on the CPU the loop writes a step's events itself
+    ({"LLMQ_DEVICE": "cuda"}, True),  # on a GPU a thread writes them while the next step runs
+    ({"LLMQ_BACKGROUND_STREAM_WRITES": "1"}, True),
+    ({"LLMQ_DEVICE": "cuda", "LLMQ_BACKGROUND_STREAM_WRITES": "false"}, False),
+])
+def test_background_stream_writes(monkeypatch, env, expected):
+    for name in ("LLMQ_DEVICE", "LLMQ_BACKGROUND_STREAM_WRITES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert Settings.from_env().resolved_background_stream_writes() is expected
+
+
+def test_a_flag_that_is_neither_yes_nor_no_names_the_variable(monkeypatch):
+    monkeypatch.setenv("LLMQ_BACKGROUND_STREAM_WRITES", "sometimes")
+    with pytest.raises(ValueError, match="LLMQ_BACKGROUND_STREAM_WRITES must be 1 or 0"):
         Settings.from_env()

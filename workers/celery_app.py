@@ -56,7 +56,8 @@ def start_engine(sender=None, **_):
 
     client = flask_app.extensions["llmq_redis"]
     service = EngineService(load_and_warm, StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl),
-                            nice=settings.engine_nice)
+                            nice=settings.engine_nice,
+                            background_writes=settings.resolved_background_stream_writes())
     service.start()
     install(service)
     name = getattr(sender, "hostname", None) or "worker"

@@ -15,6 +15,10 @@ from workers.engine.config import SamplingParams
 from workers.engine.outputs import CompletionOutput, TokenLogprob
 
 
+class EngineFailure(RuntimeError):
+    """The engine broke while running a request (a bug or a device fault), not the request's fault."""
+
+
 @dataclass(eq=False)  # identity: jobs key the per-step event map
 class Job:
     """One API request (possibly several prompts, each with n samples) in the engine."""

@@ -1,8 +1,9 @@
 """EngineService: one engine per worker process, driven by one loop thread that owns the device.
 
 Celery task threads call `run()`: it hands the request to the loop and waits. The loop admits new
-requests, aborts cancelled ones, runs `engine.step()`, and publishes each step's token deltas to
-Redis in one round trip, so tokens reach streaming clients as they are made. A cancel published on
+requests, aborts cancelled ones, runs `engine.step()`, and hands each step's token deltas to a
+StepWriter, which writes them to Redis in one round trip (on a GPU while the next step runs), so
+tokens reach streaming clients as they are made. A cancel published on
 `llmq:cancel` aborts the request at the next step and frees its KV blocks.
 
 Those published events are also each request's checkpoint: `run(..., resume_from=...)` takes the
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Callable
 from app.streams import StreamProgress
 from workers.engine.config import InvalidRequest, ResumePoint, SamplingParams
 from workers.engine.outputs import CompletionOutput, RequestDelta
-from workers.job import Job, one_sample, output_so_far
+from workers.job import EngineFailure, Job, one_sample, output_so_far
 from workers.publisher import StreamPublisher
+from workers.step_writer import StepEvents, StepWriter
 
 if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
     from workers.engine.llm import LLMEngine
@@ -35,10 +37,6 @@ log = logging.getLogger(__name__)
 # How long a cancel for a request not (yet) in the engine is remembered: covers the moment between a
 # task's cancel check and its request reaching the loop; cancels of finished requests simply expire.
 _EARLY_CANCEL_MEMORY_S = 60.0
-
-
-class EngineFailure(RuntimeError):
-    """The engine broke while running a request (a bug or a device fault), not the request's fault."""
 
 
 class HandedBack(RuntimeError):
@@ -52,13 +50,17 @@ class EngineService:
     every step of the worker measurably slower than the same step offline.
 
     `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
-    starts inherit it (LLMQ_ENGINE_NICE, see Settings.engine_nice)."""
+    starts inherit it (LLMQ_ENGINE_NICE, see Settings.engine_nice). `background_writes`: a thread of
+    its own writes each step's events while the next step runs (workers/step_writer.py)."""
 
-    def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0):
+    def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0,
+                 background_writes: bool = False):
         self._engine_factory = engine_factory
         self._nice = nice
         self.engine: "LLMEngine | None" = None
         self.publisher = publisher
+        # Made here, not on the loop thread: its thread keeps this thread's priority.
+        self._writer = StepWriter(publisher, background=background_writes)
         self._intake: queue.Queue[Job] = queue.Queue()
         self._cancels: queue.Queue[str] = queue.Queue()
         self._hand_backs: queue.Queue[str] = queue.Queue()
@@ -88,6 +90,7 @@ class EngineService:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
+        self._writer.stop(timeout)
 
     def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None,
             resume_from: StreamProgress | None = None, priority: int = 0) -> Job:
@@ -142,6 +145,10 @@ class EngineService:
             self._ready.set()
         while not self._stopping.is_set():
             try:
+                if (failure := self._writer.failure()) is not None:
+                    self._end_all(EngineFailure(f"the request's tokens could not be written to Redis: {failure}"))
+                    self._writer.flush()  # the steps still queued are dropped, their finished jobs failed
+                    self._writer.clear_failure()
                 self._admit()
                 if self._handing_back.is_set():
                     self._end_all(HandedBack("this worker is stopping; the request goes back to the queue"))
@@ -178,10 +185,11 @@ class EngineService:
                 self._end(job, err)  # what _start had added to the engine comes out again
                 continue
             if job.finished:  # resumed with every choice already done: only the ending was missing
+                events = {}
                 if job.resume_from.ended_with is None:
                     done = self.publisher.done_event(job.prompt_tokens, job.completion_tokens, time.time())
-                    self.publisher.publish({job.request_id: (job.num_events + 1, [done])}, finished=[job.request_id])
-                job.done.set()
+                    events = {job.request_id: (job.num_events + 1, [done])}
+                self._writer.submit(StepEvents(events, finished=[job]))
                 continue
             self._jobs[job.request_id] = job
             if self._early_cancels.pop(job.request_id, None) is not None:
@@ -257,12 +265,11 @@ class EngineService:
         for job, job_events in events.items():
             numbered[job.request_id] = (job.num_events + 1, job_events)
             job.num_events += len(job_events)
-        self.publisher.publish(numbered, finished=[job.request_id for job in finished_jobs])
         for job in finished_jobs:
             self._jobs.pop(job.request_id, None)
             for engine_id in job.routes:
                 self._by_engine_id.pop(engine_id, None)
-            job.done.set()
+        self._writer.submit(StepEvents(numbered, finished=finished_jobs))  # wakes them once written
 
     def _hand_back_taken_over(self) -> None:
         while True:
@@ -274,7 +281,9 @@ class EngineService:
                 self._end(job, HandedBack("another worker has taken this request over"))
 
     def _end(self, job: Job, error: Exception) -> None:
-        """Take a job out of the engine and the loop's tables, and wake its task thread with `error`."""
+        """Take a job out of the engine and the loop's tables, and wake its task thread with `error`
+        once the events it made are written (a worker that resumes it reads them back)."""
+        self._writer.flush()
         for engine_id in job.routes:
             self.engine.abort(engine_id)
             self._by_engine_id.pop(engine_id, None)
