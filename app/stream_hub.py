@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import orjson
 import redis
 
-from app.streams import entry_id_key, stream_key
+from app.streams import entry_id_key, stream_entry, stream_key
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,7 @@ class StreamHub:
 
     @staticmethod
     def _decode(reply) -> dict[str, list[tuple[str, bytes]]]:
-        return {(key.decode() if isinstance(key, bytes) else key):
-                [(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields.get(b"data") or fields.get("data"))
-                 for entry_id, fields in entries]
+        return {(key.decode() if isinstance(key, bytes) else key): [stream_entry(entry) for entry in entries]
                 for key, entries in reply or ()}
 
     def _hand_over(self, key: str, entries: list[tuple[str, bytes]],

@@ -134,6 +134,13 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
     return int(milliseconds), int(sequence or 0)
 
 
+def stream_entry(entry) -> tuple[str, bytes]:
+    """A stream entry as redis-py gives it, (id, {field: value}), as (its id as text, its event's JSON):
+    the client may decode replies or not."""
+    entry_id, fields = entry
+    return (entry_id.decode() if isinstance(entry_id, bytes) else entry_id), (fields.get(b"data") or fields.get("data"))
+
+
 def event_number(entry_id: str) -> int:
     """The number of the event a stream entry id ("0-<n>") stands for."""
     return int(entry_id.split("-")[1])
@@ -176,9 +183,9 @@ class StreamProgress:
 def read_progress(client: redis.Redis, request_id: str) -> StreamProgress:
     """Join every event of the request's stream so far, per choice (empty for a request not started)."""
     progress = StreamProgress()
-    for entry_id, fields in client.xrange(stream_key(request_id)):
-        progress.num_events = event_number(entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
-        event = orjson.loads(fields.get(b"data") or fields.get("data"))
+    for entry_id, data in map(stream_entry, client.xrange(stream_key(request_id))):
+        progress.num_events = event_number(entry_id)
+        event = orjson.loads(data)
         if event["type"] != "delta":
             progress.ended_with = event
             continue

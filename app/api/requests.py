@@ -33,7 +33,7 @@ from app.api.completions import submit
 from app.errors import APIError
 from app.models import Request
 from app.stream_hub import StreamHub
-from app.streams import entry_id_key, publish_events, request_cancel, stream_key
+from app.streams import entry_id_key, publish_events, request_cancel, stream_entry, stream_key
 from workers.publisher import StreamPublisher
 
 blueprint = Blueprint("requests", __name__, url_prefix="/v1")
@@ -93,9 +93,8 @@ def request_events(request_id: str):
     redis = common.redis_client()
     last_entry = redis.xrevrange(stream_key(request_id), count=1)
     if last_entry:
-        entry_id, fields = last_entry[0]
-        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        event = json.loads(fields.get(b"data") or fields.get("data"))
+        entry_id, data = stream_entry(last_entry[0])
+        event = json.loads(data)
         if event["type"] in ("done", "error") and entry_id_key(entry_id) <= entry_id_key(last_id):
             return Response(status=204)  # the client has everything, the end included
     elif row.status in TERMINAL:
@@ -156,7 +155,7 @@ def request_object(row: Request) -> dict:
 def _stream_events(request_id: str) -> list[dict]:
     """Every event in the request's stream now, without waiting (empty once the stream expired)."""
     entries = common.redis_client().xrange(stream_key(request_id))
-    return [json.loads(fields.get(b"data") or fields.get("data")) for _entry_id, fields in entries]
+    return [json.loads(data) for _entry_id, data in map(stream_entry, entries)]
 
 
 def _row(request_id: str) -> Request:
