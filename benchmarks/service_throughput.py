@@ -142,26 +142,30 @@ def describe_engine(path: str, before: dict, after: dict, wall: float) -> str:
     return f"{path} {steps} steps, engine busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%})"
 
 
-def process_tree_cpu(pid: int, descendants: bool = True) -> float:
-    """CPU seconds (user + system) used so far by a process and (with `descendants`) every live
-    descendant of it (Linux /proc)."""
+def process_table() -> dict[int, tuple[int, float]]:
+    """Every live process: pid -> (parent pid, CPU seconds used so far, user + system), from one pass
+    over Linux's /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+            except OSError:  # it ended meanwhile
                 continue
-            children.setdefault(int(fields[1]), []).append(int(entry))
+            table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # ppid, utime + stime
+    return table
+
+
+def tree_cpu(table: dict[int, tuple[int, float]], pid: int, descendants: bool = True) -> float:
+    """CPU seconds of a process and (with `descendants`) every live descendant of it."""
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        total += table.get(current, (0, 0.0))[1]
         if descendants:
             todo += children.get(current, [])
     return total
@@ -177,8 +181,9 @@ class CpuMeter:
                       "worker": next(iter(stack.workers.values())).pid, "client": os.getpid()}
 
     def read(self) -> dict[str, float]:
+        table = process_table()
         # This process started the others: its own CPU time is counted without theirs.
-        return {name: process_tree_cpu(pid, descendants=name != "client") for name, pid in self.parts.items()}
+        return {name: tree_cpu(table, pid, descendants=name != "client") for name, pid in self.parts.items()}
 
     @staticmethod
     def describe(path: str, before: dict[str, float], after: dict[str, float]) -> str:
