@@ -1,12 +1,19 @@
-"""StreamHub: one Redis reader per web process for every request stream it is serving.
+"""StreamHub: one Redis subscription per web process for every request stream it is serving.
 
 Without it, every SSE client and every waiting completion held a Redis connection of its own,
 blocked in an XREAD on its request's stream: a web process serving N streams held N connections,
-and each engine step woke N of them for N replies. The hub's one thread reads all of those streams
-with a single XREAD (BLOCK) and hands each new entry to the readers of its stream, which wait on a
-queue. A reader that joins wakes the hub (an entry on the hub's own wake stream, which the XREAD
-always includes), so its stream is read at once rather than after the current block. The thread
-starts with the first reader and ends when none has been left for IDLE_EXIT_S.
+and each engine step woke N of them for N replies. The hub's one thread instead subscribes to
+STEPS_CHANNEL, where each worker's write (one per engine step) is published whole, as one message:
+a step's events for all of its requests reach the hub in one push, and it hands each reader of one
+of those streams its events, in order, on the reader's queue.
+
+Pub/sub delivers a message only to whoever is subscribed when it is published, so the streams stay
+the record: a reader is caught up from its stream (XRANGE after its position) when it joins, when
+an event reaches it with a gap before it, and whenever the subscription is (re)made. A step's
+message is published after its entries are written, so a catch-up read holds every event a message
+has brought; event numbers tell what a reader has had, so it gets nothing twice. A reader that joins
+wakes the hub (a message on the hub's own wake channel) so its catch-up does not wait for the next
+step. The thread starts with the first reader and ends when none has been left for IDLE_EXIT_S.
 
 A plain Redis client reads a stream the same way: XREAD from the last entry id it has (README.md).
 """
@@ -22,31 +29,30 @@ from collections.abc import Iterator
 import orjson
 import redis
 
-from app.streams import entry_id_key, stream_entry, stream_key
+from app.streams import STEPS_CHANNEL, entry_id_key, stream_entry, stream_key
 
 log = logging.getLogger(__name__)
 
-_WAKE_TTL_S = 3600  # the wake stream of a web process that died goes away by itself
+Entry = tuple[str, dict]  # (stream entry id "0-<n>", the event)
 
 
 class _Reader:
-    """One consumer of one stream: the hub puts lists of (entry id, data) on its queue, in order."""
+    """One consumer of one stream: the hub puts lists of (entry id, event) on its queue, in order."""
 
     def __init__(self, key: str, last_id: str):
         self.key = key
         self.last_id = last_id  # the last entry handed over (kept by the hub thread)
-        self.queue: queue.SimpleQueue[list[tuple[str, bytes]]] = queue.SimpleQueue()
+        self.caught_up = False  # False: the next hand-over to it must come from its stream, not a message
+        self.queue: queue.SimpleQueue[list[Entry]] = queue.SimpleQueue()
 
 
 class StreamHub:
     IDLE_EXIT_S = 5.0
 
-    def __init__(self, client: redis.Redis, block_ms: int = 1000, count: int = 256):
+    def __init__(self, client: redis.Redis, block_ms: int = 1000):
         self._client = client
-        self._block_ms = block_ms
-        self._count = count
-        self._wake_key = f"llmq:web-wake:{uuid.uuid4().hex}"
-        self._wake_last_id = "0-0"
+        self._block_s = block_ms / 1000
+        self._wake_channel = f"llmq:web-wake:{uuid.uuid4().hex}"
         self._readers: dict[str, set[_Reader]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -69,8 +75,7 @@ class StreamHub:
                     yield None, None
                     continue
                 idle_since = time.monotonic()
-                for entry_id, data in entries:
-                    event = orjson.loads(data)
+                for entry_id, event in entries:
                     yield entry_id, event
                     if event["type"] in ("done", "error"):
                         return
@@ -88,82 +93,127 @@ class StreamHub:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="llmq-stream-hub", daemon=True)
                 self._thread.start()
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._wake_key, {"w": "1"}, maxlen=1, approximate=False)
-        pipe.expire(self._wake_key, _WAKE_TTL_S)
-        pipe.execute()
+                return  # a new thread catches up every reader once it has subscribed
+        self._client.publish(self._wake_channel, b"")
 
-    def _positions(self) -> dict[str, str] | None:
-        """Each stream's position for the next XREAD (its furthest-behind reader's), or None when the
-        hub has had no readers for IDLE_EXIT_S: the thread then ends (under the lock, so a reader
-        joining at that moment starts a new one)."""
-        deadline = time.monotonic() + self.IDLE_EXIT_S
-        while True:
-            with self._lock:
-                if self._readers:
-                    positions = {key: min((r.last_id for r in readers), key=entry_id_key)
-                                 for key, readers in self._readers.items()}
-                    positions[self._wake_key] = self._wake_last_id
-                    return positions
-                if time.monotonic() > deadline:
-                    self._thread = None
-                    return None
-            time.sleep(0.05)
+    def _active(self, idle_since: float | None) -> tuple[bool, float | None]:
+        """Whether the thread goes on, and since when it has had no readers: after IDLE_EXIT_S without
+        any it ends (under the lock, so a reader joining at that moment starts a new one)."""
+        with self._lock:
+            if self._readers:
+                return True, None
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > self.IDLE_EXIT_S:
+                self._thread = None
+                return False, idle_since
+            return True, idle_since
 
     def _run(self) -> None:
-        while (positions := self._positions()) is not None:
-            try:
-                received = self._read(positions)
-            except redis.RedisError as err:  # Redis restarting: the readers wait (their heartbeats go on)
-                log.warning("stream hub: reading %d stream(s) failed, retrying: %s", len(positions) - 1, err)
-                time.sleep(0.5)
-                continue
-            except Exception:  # never let the thread die under the readers that wait on it
-                log.exception("stream hub: unexpected error; retrying")
-                time.sleep(0.5)
-                continue
-            handed = [(reader, fresh) for key, entries in received.items()
-                      for reader, fresh in self._hand_over(key, entries, read_after=positions[key])]
-            # Wake the readers only now: each woken thread competes with this one for the interpreter,
-            # so waking them during the hand-over made it take several times as long.
-            for reader, fresh in handed:
-                reader.queue.put(fresh)
-
-    def _read(self, positions: dict[str, str]) -> dict[str, list[tuple[str, bytes]]]:
-        """The entries after `positions`, by stream: a blocked XREAD, then one more without BLOCK for
-        the streams it left out. Redis before 7.2 answers a blocked XREAD with the first of its streams
-        to get an entry only, though a worker's step has written to all of them at once: reading the
-        rest before handing anything over wakes each reader once per step, and no early reader's thread
-        competes with this one for the interpreter while the rest are read."""
-        received = self._decode(self._client.xread(positions, count=self._count, block=self._block_ms))
-        if received and len(positions) > 2:  # more than one request stream (and the wake stream)
-            after = {key: received[key][-1][0] if key in received else position for key, position in positions.items()}
-            for key, entries in self._decode(self._client.xread(after, count=self._count)).items():
-                received.setdefault(key, []).extend(entries)
-        if self._wake_key in received:
-            self._wake_last_id = received.pop(self._wake_key)[-1][0]
-        return received
+        subscription, idle_since = None, None
+        try:
+            while True:
+                going_on, idle_since = self._active(idle_since)
+                if not going_on:
+                    return
+                # With no readers, wait no longer than the rest of the idle time.
+                wait_s = self._block_s if idle_since is None else \
+                    min(self._block_s, max(0.0, self.IDLE_EXIT_S - (time.monotonic() - idle_since)))
+                try:
+                    if subscription is None:
+                        subscription = self._client.pubsub()
+                        subscription.subscribe(STEPS_CHANNEL, self._wake_channel)
+                    self._serve(subscription, wait_s)
+                except redis.RedisError as err:  # Redis restarting: the readers wait (their heartbeats go on)
+                    log.warning("stream hub: reading the token events failed, retrying: %s", err)
+                    subscription = self._close(subscription)
+                    time.sleep(0.5)
+                except Exception:  # never let the thread die under the readers that wait on it
+                    log.exception("stream hub: unexpected error; retrying")
+                    subscription = self._close(subscription)
+                    time.sleep(0.5)
+        finally:
+            self._close(subscription)
 
     @staticmethod
-    def _decode(reply) -> dict[str, list[tuple[str, bytes]]]:
-        return {(key.decode() if isinstance(key, bytes) else key): [stream_entry(entry) for entry in entries]
-                for key, entries in reply or ()}
+    def _close(subscription) -> None:
+        if subscription is not None:
+            try:
+                subscription.close()
+            except redis.RedisError:
+                pass
+        return None
 
-    def _hand_over(self, key: str, entries: list[tuple[str, bytes]],
-                   read_after: str) -> list[tuple[_Reader, list[tuple[str, bytes]]]]:
-        """Which reader of `key` gets which entries (those past its position), from a read of the
-        entries after `read_after`; moves each reader's position past them. A reader whose position is
-        before that (it joined during the read) gets nothing from it: the read does not hold all it
-        needs. The next read starts at its position."""
-        read_from = entry_id_key(read_after)
-        handed = []
-        with self._lock:
-            for reader in self._readers.get(key, ()):
-                after = entry_id_key(reader.last_id)
-                if after < read_from:
+    def _serve(self, subscription, wait_s: float) -> None:
+        """Wait for messages (up to `wait_s`), take every one already there, hand their events over,
+        then catch up every reader that needs it; wake the readers only after all of that."""
+        messages, message = [], subscription.get_message(timeout=wait_s)
+        while message is not None:
+            messages.append(message)
+            message = subscription.get_message(timeout=0.0)
+        steps = []
+        for message in messages:
+            if message["type"] == "subscribe":  # (re)subscribed: what was published before is unseen
+                self._mark_all_behind()
+            elif message["type"] == "message" and message["channel"] in (STEPS_CHANNEL.encode(), STEPS_CHANNEL):
+                steps.append(message["data"])
+        handed: dict[_Reader, list[Entry]] = {}
+        for data in steps:
+            with self._lock:
+                if not self._readers:  # another web process's requests only
                     continue
-                fresh = [entry for entry in entries if entry_id_key(entry[0]) > after]
+            self._route(orjson.loads(data), handed)
+        self._catch_up(handed)
+        # Wake the readers only now: each woken thread competes with this one for the interpreter,
+        # so waking them during the hand-over made it take several times as long.
+        for reader, entries in handed.items():
+            reader.queue.put(entries)
+
+    def _mark_all_behind(self) -> None:
+        with self._lock:
+            for readers in self._readers.values():
+                for reader in readers:
+                    reader.caught_up = False
+
+    def _route(self, step: list[list], handed: dict[_Reader, list[Entry]]) -> None:
+        """Hand over one step message's events ([stream key, event number, event] each) to the readers
+        whose next event each one is. A reader that is not caught up, or finds a gap before an event
+        (it joined after the events between, or a message was lost), is left behind: `_catch_up`
+        reads its stream from its position."""
+        with self._lock:
+            for key, number, event in step:
+                entry_id = f"0-{number}"
+                for reader in self._readers.get(key, ()):
+                    if not reader.caught_up:
+                        continue
+                    position = entry_id_key(reader.last_id)
+                    if (0, number) <= position:  # it has this one already
+                        continue
+                    if position == (0, number - 1):
+                        reader.last_id = entry_id
+                        handed.setdefault(reader, []).append((entry_id, event))
+                    else:
+                        reader.caught_up = False
+
+    def _catch_up(self, handed: dict[_Reader, list[Entry]]) -> None:
+        """Read the streams of the readers left behind, each from its position, in one round trip."""
+        with self._lock:
+            behind = [(reader, reader.last_id) for readers in self._readers.values()
+                      for reader in readers if not reader.caught_up]
+        if not behind:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for reader, position in behind:
+            pipe.xrange(reader.key, min=f"({position}")
+        replies = pipe.execute(raise_on_error=False)
+        with self._lock:
+            for (reader, position), entries in zip(behind, replies):
+                if isinstance(entries, redis.ConnectionError):
+                    raise entries  # the readers stay behind; the thread retries
+                if isinstance(entries, redis.ResponseError):  # no id comes after its position: nothing to read
+                    log.warning("stream hub: reading %s after %s: %s", reader.key, position, entries)
+                    entries = []
+                fresh = [(entry_id, orjson.loads(data)) for entry_id, data in map(stream_entry, entries)]
+                reader.caught_up = True
                 if fresh:
                     reader.last_id = fresh[-1][0]
-                    handed.append((reader, fresh))
-        return handed
+                    handed.setdefault(reader, []).extend(fresh)

@@ -14,8 +14,11 @@ Shared:
   llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks,
                      the loop's steps, busy_seconds and tokens since the worker started, at)
   llmq:sweep         a short lock: the worker holding it expires batches past their completion window
-  llmq:web-wake:{id} a one-entry stream per web process: a new reader wakes the process's stream reader
-                     (app/stream_hub.py)
+  llmq:steps         a pub/sub channel: each write (a worker writes once per engine step) is also
+                     published here whole, as one JSON array of [stream key, event number, event]
+                     for every event it appended, so a web process gets a step's events in one push
+  llmq:web-wake:{id} a pub/sub channel per web process: a new reader wakes the process's stream
+                     reader (app/stream_hub.py)
 
 Events (JSON):
   {"type": "delta", "index": i, "text": "...", "token_ids": [...], "logprobs": [...] | null,
@@ -37,6 +40,7 @@ import orjson
 import redis
 
 CANCEL_CHANNEL = "llmq:cancel"
+STEPS_CHANNEL = "llmq:steps"
 WORKERS_KEY = "llmq:workers"
 SWEEP_LOCK_KEY = "llmq:sweep"  # held by the worker sweeping for expired batches
 
@@ -64,10 +68,12 @@ def lease_key(request_id: str) -> str:
 # does a worker that resumes a request. n = 0 for the first event means "after the last one".
 # KEYS: per request, its stream and its channel. ARGV[1]: maxlen; then per request: the number of
 # its first event, the TTL to set (0: none), the count of its events, the events.
-# One call for a whole engine step: Redis serves the readers blocked on these streams once the
-# script ends, so a web process's stream reader gets the step's events in one reply.
+# One call for a whole engine step, published whole on STEPS_CHANNEL at its end (after the entries are
+# in their streams): a web process's stream reader gets the step's events in one message. (Redis before
+# 7.2 answers an XREAD blocked on many streams with one stream's entries only.)
 _APPEND_EVENTS = """
 local a = 2
+local step = {}
 for k = 1, #KEYS, 2 do
   local first, ttl, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   if first == 0 then
@@ -82,11 +88,13 @@ for k = 1, #KEYS, 2 do
       if not string.find(added.err, 'equal or smaller', 1, true) then return added end
     else
       redis.call('PUBLISH', KEYS[k + 1], data)
+      step[#step + 1] = '[' .. cjson.encode(KEYS[k]) .. ',' .. string.format('%d', first + i - 1) .. ',' .. data .. ']'
     end
   end
   if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
   a = a + 3 + count
 end
+if #step > 0 then redis.call('PUBLISH', '""" + STEPS_CHANNEL + """', '[' .. table.concat(step, ',') .. ']') end
 return #KEYS / 2
 """
 _APPEND_EVENTS_SHA = hashlib.sha1(_APPEND_EVENTS.encode()).hexdigest()

@@ -1,19 +1,35 @@
 """The web's stream reader (app/stream_hub.py) on a real Redis: every reader gets its stream's events
-in order, once, from its own position; all of them share one blocked XREAD; a new reader is served at
-once; the thread ends when no one reads."""
+in order, once, from its own position; all of them share one subscription; an event missed on the
+channel is read from the stream; a new reader is served at once; the thread ends when no one reads."""
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 from app.stream_hub import StreamHub, _Reader
-from app.streams import EventWrite, stream_key, write_events
+import orjson
+
+from app.streams import STEPS_CHANNEL, EventWrite, stream_key, write_events
 from tests.conftest import token_event
 
 MAXLEN = 1000
 
 
 DONE = {"type": "done", "usage": {}, "t": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def hubs_end_after_each_test(monkeypatch, redis_db):
+    """Each test's hub ends soon after its last reader (before the test's Redis client closes), so the next
+    test counts its own subscribers only."""
+    monkeypatch.setattr(StreamHub, "IDLE_EXIT_S", 0.2)
+    yield
+    for channel in redis_db.pubsub_channels("llmq:web-wake:*"):  # a hub blocked for long wakes to end
+        redis_db.publish(channel, b"")
+    deadline = time.monotonic() + 5
+    while any(t.name == "llmq-stream-hub" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def write(redis_db, request_id: str, first: int, events: list[dict]) -> None:
@@ -29,8 +45,15 @@ def collect(hub: StreamHub, request_id: str, out: list, last_id: str = "0-0") ->
     return thread
 
 
-def blocked_xreads(redis_db) -> int:
-    return sum(1 for c in redis_db.client_list() if c.get("cmd") == "xread" and "b" in c.get("flags", ""))
+def subscribers(redis_db) -> int:
+    return dict(redis_db.pubsub_numsub(STEPS_CHANNEL))[STEPS_CHANNEL.encode()]
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
 
 
 def test_events_before_and_after_joining_arrive_in_order_once(redis_db):
@@ -60,12 +83,12 @@ def test_readers_at_different_positions_each_get_their_own_rest(redis_db):
     assert [entry_id for entry_id, _ in rest] == ["0-3", "0-4", "0-5"]
 
 
-def test_many_readers_share_one_blocked_read(redis_db):
+def test_many_readers_share_one_subscription(redis_db):
     hub = StreamHub(redis_db)
     results = {f"r{i}": [] for i in range(20)}
     readers = [collect(hub, request_id, out) for request_id, out in results.items()]
     time.sleep(0.5)
-    assert blocked_xreads(redis_db) == 1  # not 20 connections, one per reader
+    assert subscribers(redis_db) == 1  # not 20 connections, one per reader
     for step in range(1, 4):
         write_events(redis_db, [EventWrite(request_id, [token_event(step)], first_number=step) for request_id in results], MAXLEN)
     write_events(redis_db, [EventWrite(request_id, [DONE], first_number=4) for request_id in results], MAXLEN)
@@ -103,15 +126,47 @@ def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(redi
     assert [e["type"] for _, e in hub.read_events("later") if e is not None] == ["done"]
 
 
-def test_a_reader_behind_the_read_waits_for_a_read_from_its_own_position(redis_db):
-    # A reader that joins while the hub reads from further on (another reader's position) must not be
-    # handed that read's entries: it would skip the ones between its position and the read's.
+def test_an_event_missed_on_the_channel_is_read_from_the_stream(redis_db):
+    # Event 2 reaches the stream without its message (as when the subscription was down when it was
+    # published): event 3's message shows the gap, and the reader gets 2 from the stream, then 3, once.
     hub = StreamHub(redis_db)
-    ahead, behind = _Reader(stream_key("d"), "0-7"), _Reader(stream_key("d"), "0-5")
-    hub._readers[stream_key("d")] = {ahead, behind}
-    handed = hub._hand_over(stream_key("d"), [("0-8", b"{}"), ("0-9", b"{}")], read_after="0-7")
-    assert [(reader, [entry_id for entry_id, _ in fresh]) for reader, fresh in handed] == [(ahead, ["0-8", "0-9"])]
-    assert ahead.last_id == "0-9" and behind.last_id == "0-5"
-    handed = hub._hand_over(stream_key("d"), [(f"0-{n}", b"{}") for n in range(6, 10)], read_after="0-5")
-    assert [(reader, [entry_id for entry_id, _ in fresh]) for reader, fresh in handed] == [
-        (behind, ["0-6", "0-7", "0-8", "0-9"])]  # the one ahead has these already
+    write(redis_db, "e", 1, [token_event(1)])
+    got = []
+    reader = collect(hub, "e", got)
+    wait_for(lambda: len(got) == 1)
+    redis_db.xadd(stream_key("e"), {"data": orjson.dumps(token_event(2))}, id="0-2")
+    write(redis_db, "e", 3, [token_event(3), DONE])
+    reader.join(10)
+    assert [entry_id for entry_id, _ in got] == ["0-1", "0-2", "0-3", "0-4"]
+
+
+def test_after_its_connection_drops_the_hub_reads_what_it_missed(redis_db):
+    hub = StreamHub(redis_db)
+    got = []
+    reader = collect(hub, "f", got)
+    wait_for(lambda: subscribers(redis_db) == 1)
+    write(redis_db, "f", 1, [token_event(1)])
+    wait_for(lambda: len(got) == 1)
+    redis_db.client_kill_filter(_type="pubsub")
+    write(redis_db, "f", 2, [token_event(2), DONE])  # published with no one subscribed
+    reader.join(10)
+    assert [entry_id for entry_id, _ in got] == ["0-1", "0-2", "0-3"]
+
+
+def test_a_step_goes_to_the_readers_it_continues_and_the_others_read_their_stream(redis_db):
+    # Routing one step's message: a reader whose next event it holds gets it; one behind (a gap) or
+    # not yet caught up (it just joined) gets nothing from it and is left for a read of its stream.
+    hub = StreamHub(redis_db)
+    key = stream_key("g")
+    at_7, at_5, joined = _Reader(key, "0-7"), _Reader(key, "0-5"), _Reader(key, "0-7")
+    at_7.caught_up = at_5.caught_up = True
+    hub._readers[key] = {at_7, at_5, joined}
+    handed = {}
+    hub._route([[key, 8, {"n": 8}], [key, 9, {"n": 9}], [stream_key("other"), 1, {}]], handed)
+    assert handed == {at_7: [("0-8", {"n": 8}), ("0-9", {"n": 9})]}
+    assert (at_7.last_id, at_7.caught_up) == ("0-9", True)
+    assert (at_5.last_id, at_5.caught_up) == ("0-5", False)
+    assert (joined.last_id, joined.caught_up) == ("0-7", False)
+    handed = {}
+    hub._route([[key, 9, {"n": 9}]], handed)  # a repeat of what it has
+    assert handed == {} and at_7.caught_up
