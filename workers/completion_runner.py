@@ -51,7 +51,7 @@ def execute(service: EngineService, request_id: str, kind: str, body: dict, mode
             priority: int = 0) -> tuple[dict, Job]:
     """Run a request to the end (publishing its tokens as they come), going on from `resume_from` if
     an earlier run was interrupted. Raises InvalidRequest, or HandedBack if the worker is stopping."""
-    tokenizer = service.engine.tokenizer
+    tokenizer = service.tokenizer
     prepared = prepare(kind, body, tokenizer)
     job = service.run(request_id, prepared.prompts, prepared.params, resume_from=resume_from, priority=priority)
     return response_body(kind, request_id, model, job, prepared, tokenizer, created), job

@@ -8,6 +8,7 @@ logprobs so far (`output_so_far`), and each unfinished sample runs as an engine 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from app.streams import ChoiceProgress, StreamProgress
@@ -37,6 +38,15 @@ class Job:
     error: Exception | None = None  # InvalidRequest (refused), EngineFailure or HandedBack
     first_token_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[["Job"], None] | None = None  # called once it has ended (the engine process reports it)
+
+    def finish(self, error: Exception | None = None) -> None:
+        """It has ended (with `error`, or its outputs complete and written): wake whoever waits."""
+        if error is not None:
+            self.error = error
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
     @property
     def finished(self) -> bool:

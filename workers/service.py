@@ -99,14 +99,22 @@ class EngineService:
         InvalidRequest if the engine refuses the request (e.g. longer than the context), HandedBack if
         this worker is stopping."""
         job = Job(request_id, prompts, params, resume_from, priority)
-        self._intake.put(job)
-        self._wake.set()
+        self.submit(job)
         if not job.done.wait(timeout):
             self.cancel(request_id)
             job.done.wait()
         if job.error is not None:
             raise job.error
         return job
+
+    def submit(self, job: Job) -> None:
+        """Hand a job to the loop without waiting: `job.finish()` reports its end (see `run`)."""
+        self._intake.put(job)
+        self._wake.set()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
     def hand_back(self, request_id: str | None = None) -> None:
         """Stop taking work: every request in flight, and any that arrives, ends with HandedBack at
@@ -289,8 +297,7 @@ class EngineService:
             self._by_engine_id.pop(engine_id, None)
         if self._jobs.get(job.request_id) is job:  # a job refused at admission never got in
             del self._jobs[job.request_id]
-        job.error = error
-        job.done.set()
+        job.finish(error)
 
     def _end_all(self, error: Exception) -> None:
         """End every job in flight with `error`; their engine requests are aborted, and the abort deltas
@@ -299,6 +306,18 @@ class EngineService:
             log.warning("ending %d request(s) in flight: %s", len(self._jobs), error)
         for job in list(self._jobs.values()):
             self._end(job, error)
+
+
+def load_and_warm(model_path: str, engine_options: dict) -> "LLMEngine":
+    """Build the engine and run one tiny request through it, so the first real step pays no one-time
+    cost. An EngineService's factory: it runs on the loop thread."""
+    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model_path, **engine_options))
+    engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    return engine
 
 
 def _set_thread_nice(nice: int) -> None:

@@ -106,4 +106,4 @@ class StepWriter:
                 job.error = EngineFailure(f"the request's last tokens could not be written to Redis: {err}")
         finally:
             for job in step.finished:
-                job.done.set()
+                job.finish()
