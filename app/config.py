@@ -69,6 +69,9 @@ class Settings:
     # and cost about a tenth of a batch's throughput (OpenMP halves wait for each preempted half).
     engine_nice: int = 0
     background_stream_writes: bool | None = None  # see resolved_background_stream_writes
+    # Run the engine in a process of its own (workers/engine_process.py) rather than in the Celery
+    # worker's: it then shares no interpreter lock with the task threads.
+    engine_process: bool = True
     engine_extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -102,6 +105,7 @@ class Settings:
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
             engine_nice=_int("LLMQ_ENGINE_NICE", 0),
             background_stream_writes=_flag("LLMQ_BACKGROUND_STREAM_WRITES"),
+            engine_process=_flag("LLMQ_ENGINE_PROCESS") is not False,
         )
 
     def resolved_model_path(self) -> Path:

@@ -38,3 +38,11 @@ def test_a_flag_that_is_neither_yes_nor_no_names_the_variable(monkeypatch):
     monkeypatch.setenv("LLMQ_BACKGROUND_STREAM_WRITES", "sometimes")
     with pytest.raises(ValueError, match="LLMQ_BACKGROUND_STREAM_WRITES must be 1 or 0"):
         Settings.from_env()
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("1", True), ("0", False), ("no", False)])
+def test_the_engine_runs_in_a_process_of_its_own_unless_told_not_to(monkeypatch, value, expected):
+    monkeypatch.delenv("LLMQ_ENGINE_PROCESS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("LLMQ_ENGINE_PROCESS", value)
+    assert Settings.from_env().engine_process is expected

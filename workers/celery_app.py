@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 
 import redis
 from celery.signals import worker_init, worker_shutdown, worker_shutting_down
@@ -39,27 +40,29 @@ _stop = threading.Event()
 @worker_init.connect
 def start_engine(sender=None, **_):
     """Load the model, warm it up, and start the engine loop, heartbeats and cancel listener."""
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
     from workers.publisher import StreamPublisher
-    from workers.service import EngineService, install
+    from workers.service import install
 
     model_path = settings.resolved_model_path()
-
-    def load_and_warm() -> LLMEngine:  # runs on the engine's loop thread (see EngineService)
-        engine = LLMEngine(EngineConfig(model=str(model_path), **settings.engine_options()))
-        engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
-        while engine.has_unfinished():
-            engine.step()
-        return engine
-
-    from workers.leases import Leases
-
     client = flask_app.extensions["llmq_redis"]
-    service = EngineService(load_and_warm, StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl),
-                            nice=settings.engine_nice,
-                            background_writes=settings.resolved_background_stream_writes())
+    publisher = StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl)
+    if settings.engine_process:
+        from workers.engine_process import EngineOptions, EngineProcess
+
+        service = EngineProcess(EngineOptions(
+            str(model_path), settings.engine_options(), settings.resolved_redis_url(), settings.redis_retry_seconds,
+            settings.stream_maxlen, settings.stream_ttl, settings.engine_nice, settings.resolved_background_stream_writes(),
+            logging.getLogger().getEffectiveLevel()), publisher)
+    else:
+        from workers.service import EngineService, load_and_warm
+
+        service = EngineService(partial(load_and_warm, str(model_path), settings.engine_options()), publisher,
+                                nice=settings.engine_nice,
+                                background_writes=settings.resolved_background_stream_writes())
     service.start()
     install(service)
+    from workers.leases import Leases
+
     name = getattr(sender, "hostname", None) or "worker"
     leases = flask_app.extensions["llmq_leases"] = Leases(client, name, settings.lease_seconds)
     threading.Thread(target=_heartbeats, args=(client, service, name, leases), daemon=True,

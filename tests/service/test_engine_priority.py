@@ -1,4 +1,5 @@
-"""LLMQ_ENGINE_NICE reaches the engine's threads and only them (the service tests' stack sets 10)."""
+"""LLMQ_ENGINE_NICE reaches the engine's threads and only them (the service tests' stack sets 10): the
+loop and its compute threads in the engine process, not the Celery worker's threads."""
 from __future__ import annotations
 
 import sys
@@ -21,13 +22,27 @@ def thread_nice_values(pid: int) -> dict[int, int]:
     return values
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                        and b"spawn_main" in (entry / "cmdline").read_bytes():
+                    children.append(int(entry.name))
+            except OSError:
+                continue
+    return children
+
+
 def test_the_engine_loop_runs_at_nice_10_and_the_celery_threads_at_0(stack, api):
     assert api.get("/v1/workers").json()["data"], "no worker heartbeat"
     worker_pid = stack.workers["w0"].pid
-    nice = thread_nice_values(worker_pid)
+    assert set(thread_nice_values(worker_pid).values()) == {0}, "the worker's threads keep the default priority"
+    [engine_pid] = child_pids(worker_pid)  # the engine process (workers/engine_process.py)
+    nice = thread_nice_values(engine_pid)
     lowered = [tid for tid, value in nice.items() if value == 10]
-    assert nice[worker_pid] == 0, "the worker's main thread (Celery's consumer) keeps the default priority"
-    assert lowered, f"no thread of the worker runs at nice 10: {nice}"
-    # Everything else (the consumer, the task threads, the heartbeat) stays at the process's priority.
+    assert nice[engine_pid] == 0, "the engine process's main thread (it reads the worker's messages) keeps it too"
+    assert lowered, f"no thread of the engine process runs at nice 10: {nice}"
     assert sorted(set(nice.values())) == [0, 10]
-    assert len(lowered) < len(nice) / 2

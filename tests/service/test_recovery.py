@@ -124,8 +124,10 @@ def test_a_worker_killed_mid_batch_loses_nothing(served_model_dir, tmp_path, off
         assert "from its checkpoint" in log_of(tmp_path, "w1"), "no line was resumed from a checkpoint"
 
 
-def test_a_worker_told_to_stop_hands_its_work_back_in_time(served_model_dir, tmp_path, offline):
-    with fault_stack(served_model_dir, tmp_path) as stack, httpx.Client(base_url=stack.base_url, timeout=60) as api:
+@pytest.mark.parametrize("engine_process", ["1", "0"], ids=["engine-process", "engine-in-worker"])
+def test_a_worker_told_to_stop_hands_its_work_back_in_time(served_model_dir, tmp_path, offline, engine_process):
+    with fault_stack(served_model_dir, tmp_path, LLMQ_ENGINE_PROCESS=engine_process) as stack, \
+            httpx.Client(base_url=stack.base_url, timeout=60) as api:
         batch_id = start_batch(api)
         wait_until(lambda: running_on(api, "w0") > 0, timeout=120, interval=0.1)
         time.sleep(1.0)
@@ -134,6 +136,7 @@ def test_a_worker_told_to_stop_hands_its_work_back_in_time(served_model_dir, tmp
         stopped_in = time.monotonic() - started
         assert exit_code == 0 and stopped_in < GRACE_S, f"exit code {exit_code} after {stopped_in:.1f} s"
         assert "handing its requests back" in log_of(tmp_path, "w0")
+        assert ("engine process" in log_of(tmp_path, "w0")) == (engine_process == "1")
         assert_batch_came_through(api, stack, batch_id, offline)
         assert "from its checkpoint" in log_of(tmp_path, "w1"), "no handed-back line was resumed"
 

@@ -1,0 +1,125 @@
+"""The engine in a process of its own (workers/engine_process.py), on a real Redis with the stories260k
+weights: requests cross the pipe and come back as the in-process service gives them, refusals keep
+their type, and the two processes live and die together."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from app.streams import read_progress
+from workers.engine.config import InvalidRequest, SamplingParams
+from workers.engine_process import EngineOptions, EngineProcess
+from workers.publisher import StreamPublisher
+from workers.service import EngineService, load_and_warm
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_OPTIONS = {"max_num_seqs": 8}
+
+
+def options(stories_dir: Path, redis_url: str) -> EngineOptions:
+    return EngineOptions(str(stories_dir), ENGINE_OPTIONS, redis_url, redis_retry_seconds=5, stream_maxlen=1000,
+                         stream_ttl=60)
+
+
+@pytest.fixture(scope="module")
+def engine_process(stories_dir, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    process = EngineProcess(options(stories_dir, redis_url), StreamPublisher(client, 1000, 60))
+    process.start()
+    yield process
+    process.stop()
+
+
+def test_a_request_through_the_pipe_equals_the_in_process_service_and_its_stream(engine_process, stories_dir,
+                                                                              redis_url):
+    client = redis.Redis.from_url(redis_url)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    in_process = EngineService(lambda: load_and_warm(str(stories_dir), ENGINE_OPTIONS), StreamPublisher(client, 1000, 60))
+    in_process.start()
+    try:
+        expected = in_process.run("local-1", ["Once upon a time", "The cat"], params)
+    finally:
+        in_process.stop()
+    job = engine_process.run("piped-1", ["Once upon a time", "The cat"], params)
+    assert [[o.text for o in outs] for outs in job.outputs] == [[o.text for o in outs] for outs in expected.outputs]
+    assert job.prompt_token_ids == expected.prompt_token_ids and job.completion_tokens == 24
+    assert job.first_token_at is not None
+    # The engine process wrote the tokens to the request's stream itself.
+    streamed = read_progress(client, "piped-1")
+    assert [streamed.choices[k].text for k in (0, 1)] == [outs[0].text for outs in job.outputs]
+    assert engine_process.stats()["steps"] >= 12
+
+
+def test_a_refusal_comes_back_as_the_same_error(engine_process):
+    too_long = SamplingParams(temperature=0, max_tokens=10_000)
+    with pytest.raises(InvalidRequest) as refused:
+        engine_process.run("too-long", ["Once upon a time"], too_long)
+    assert refused.value.param == "max_tokens"
+    assert engine_process.run("after-it", ["Hi"], SamplingParams(temperature=0, max_tokens=2)).completion_tokens == 2
+
+
+def test_a_cancel_reaches_the_engine_process(engine_process):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    job = engine_process.run("slow", ["Once upon a time"], params, timeout=0.2)  # cancelled once 0.2 s pass
+    assert job.cancelled and job.completion_tokens < 400
+
+
+# A worker stand-in: starts an engine process, prints both pids, then waits to be killed.
+PARENT = textwrap.dedent("""
+    import json, sys, time, redis
+    from workers.engine_process import EngineOptions, EngineProcess
+    from workers.publisher import StreamPublisher
+    url = sys.argv[2]
+    process = EngineProcess(EngineOptions(sys.argv[1], {"max_num_seqs": 4}, url, 5, 1000, 60),
+                            StreamPublisher(redis.Redis.from_url(url), 1000, 60))
+    process.start()
+    print(json.dumps({"engine": process._process.pid}), flush=True)
+    time.sleep(600)
+""")
+
+
+def start_parent(stories_dir: Path, redis_url: str) -> tuple[subprocess.Popen, int]:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(stories_dir), redis_url], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine_pid = json.loads(parent.stdout.readline())["engine"]
+    return parent, engine_pid
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a child of ours that ended stays a zombie until reaped
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_worker_takes_its_engine_process_with_it(stories_dir, redis_url):
+    parent, engine_pid = start_parent(stories_dir, redis_url)
+    parent.kill()
+    parent.wait(10)
+    assert gone(engine_pid), "the engine process outlived its worker: it could write into resumed streams"
+
+
+def test_a_worker_whose_engine_process_dies_exits_so_its_tasks_are_redelivered(stories_dir, redis_url):
+    parent, engine_pid = start_parent(stories_dir, redis_url)
+    os.kill(engine_pid, signal.SIGKILL)
+    assert parent.wait(10) == 1
+    assert "the engine process exited" in parent.stderr.read()
