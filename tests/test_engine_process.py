@@ -73,7 +73,8 @@ def test_a_cancel_reaches_the_engine_process(engine_process):
     assert job.cancelled and job.completion_tokens < 400
 
 
-# A worker stand-in: starts an engine process, prints both pids, then waits to be killed.
+# A worker stand-in: starts an engine process, prints its pid, then waits to be killed, or ("exit")
+# returns from its main module without stopping it.
 PARENT = textwrap.dedent("""
     import json, sys, time, redis
     from workers.engine_process import EngineOptions, EngineProcess
@@ -83,12 +84,13 @@ PARENT = textwrap.dedent("""
                             StreamPublisher(redis.Redis.from_url(url), 1000, 60))
     process.start()
     print(json.dumps({"engine": process._process.pid}), flush=True)
-    time.sleep(600)
+    if sys.argv[3] != "exit":
+        time.sleep(600)
 """)
 
 
-def start_parent(stories_dir: Path, redis_url: str) -> tuple[subprocess.Popen, int]:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(stories_dir), redis_url], cwd=REPO,
+def start_parent(stories_dir: Path, redis_url: str, then: str = "wait") -> tuple[subprocess.Popen, int]:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(stories_dir), redis_url, then], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     engine_pid = json.loads(parent.stdout.readline())["engine"]
     return parent, engine_pid
@@ -123,3 +125,9 @@ def test_a_worker_whose_engine_process_dies_exits_so_its_tasks_are_redelivered(s
     os.kill(engine_pid, signal.SIGKILL)
     assert parent.wait(10) == 1
     assert "the engine process exited" in parent.stderr.read()
+
+
+def test_a_worker_that_exits_without_stopping_its_engine_process_still_exits(stories_dir, redis_url):
+    parent, engine_pid = start_parent(stories_dir, redis_url, then="exit")
+    assert parent.wait(30) == 0  # the child ignores SIGTERM: multiprocessing's exit handler alone would hang
+    assert gone(engine_pid)

@@ -20,6 +20,7 @@ and its end (outputs, token ids, error) do. Its life is bound to the worker's:
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import logging
@@ -88,10 +89,15 @@ class EngineProcess:
             self._process.join(5)
             raise RuntimeError(f"the engine process could not load the model: {payload}")
         self._stats = payload
+        # The child ignores SIGTERM, which multiprocessing's own exit handler would send it and then
+        # wait: a worker that exits without stop() stops it first (atexit runs the latest first).
+        atexit.register(self.stop)
         threading.Thread(target=self._receive, name="llmq-engine-replies", daemon=True).start()
         log.info("engine process %d is serving", self._process.pid)
 
     def stop(self, timeout: float = 5.0) -> None:
+        if self._stopping:
+            return
         self._stopping = True
         try:
             self._send(("stop",))
