@@ -134,12 +134,8 @@ class _ArrivalRecorder(asyncio.Protocol):
                 for match in re.finditer(rb"^data: (\{.*)$", bytes(self.received), re.MULTILINE)]
 
 
-async def _stream_one(session: aiohttp.ClientSession, base_url: str, prompt, max_tokens: int,
-                      latencies: list[float]) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    async with session.post("/v1/requests", json=body) as response:
-        response.raise_for_status()
-        request_id = (await response.json())["id"]
+async def follow_events(base_url: str, request_id: str) -> list[tuple[float, dict]]:
+    """GET /v1/requests/{id}/events to its end: (the time its bytes arrived, the event) for each event."""
     url = urllib.parse.urlsplit(base_url)
     transport, recorder = await asyncio.get_running_loop().create_connection(_ArrivalRecorder, url.hostname, url.port)
     transport.write(f"GET /v1/requests/{request_id}/events HTTP/1.1\r\nHost: {url.netloc}\r\n"
@@ -147,8 +143,17 @@ async def _stream_one(session: aiohttp.ClientSession, base_url: str, prompt, max
     await recorder.closed
     if not recorder.received.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"request {request_id}: {bytes(recorder.received[:200])!r}")
+    return recorder.sse_data()
+
+
+async def _stream_one(session: aiohttp.ClientSession, base_url: str, prompt, max_tokens: int,
+                      latencies: list[float]) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with session.post("/v1/requests", json=body) as response:
+        response.raise_for_status()
+        request_id = (await response.json())["id"]
     tokens = 0
-    for received, event in recorder.sse_data():
+    for received, event in await follow_events(base_url, request_id):
         if event["type"] == "delta":
             tokens += len(event["token_ids"])
             latencies.append(received - event["t"])
