@@ -112,7 +112,7 @@ class Settings:
         """The model folder; the default model is written on first use."""
         if self.model_path:
             return Path(self.model_path)
-        from workers.model.checkpoint import ensure_default_model  # torch-free
+        from workers.model.checkpoint import ensure_default_model  # imports torch only to write it
         return ensure_default_model(self.home / "models")
 
     def resolved_background_stream_writes(self) -> bool:

@@ -88,6 +88,17 @@ def test_tokenizer_json_is_the_same_in_another_process():
     assert out.stdout.strip() == hashlib.sha256(byte_level_tokenizer_json().encode()).hexdigest()
 
 
+def test_the_web_app_finds_the_default_model_without_importing_torch(tmp_path):
+    checkpoint.ensure_default_model(tmp_path / "models")  # written once (by the demo, or a worker)
+    code = "import sys; from app import create_app; create_app(); sys.exit('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "MODEL_NAME")}
+    env.update(LLMQ_HOME=str(tmp_path), DATABASE_URL=f"sqlite:///{tmp_path / 'llmq.db'}",
+               REDIS_URL="redis://127.0.0.1:1/0")  # never reached: the app connects on first use
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(checkpoint.__file__).parents[2],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:] or "the web app imported torch"
+
+
 CASES = {
     "default": (default_model_config(), LlamaForCausalLM),
     "gqa_untied_biases": (tiny_config(attention_bias=True, mlp_bias=True), LlamaForCausalLM),

@@ -3,8 +3,10 @@
 The default model (random weights plus a byte-fallback tokenizer) is made once under the models
 folder and reused; benchmarks use the same writer for a "bench" model that both llmq and
 transformers load. Everything here is deterministic: the same seed and config give the same bytes.
-This module must not import transformers, which is only a test dependency.
+This module must not import transformers, which is only a test dependency, and imports torch only
+to write weights: a process that only finds the default model (the web server) never imports it.
 """
+from __future__ import annotations
 
 import json
 import logging
@@ -13,10 +15,12 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +155,8 @@ def random_llama_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]
     if not config.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (vocab, hidden)))
 
+    import torch
+
     generator = torch.Generator(device="cpu").manual_seed(seed)
     weights = {}
     for name, shape in shapes:
@@ -160,6 +166,8 @@ def random_llama_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def _write_weights(folder: Path, weights: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
     metadata = {"format": "pt"}  # transformers expects this tag on PyTorch safetensors files
     total = sum(t.numel() * t.element_size() for t in weights.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
