@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.streams import StreamProgress
 from workers.engine.config import InvalidRequest, SamplingParams
@@ -9,7 +10,10 @@ from workers.model.tokenizer import Tokenizer, TokenizerError
 from workers.openai_protocol import (chat_choice, completion_choice, completion_object,
                                      parse_chat_request, parse_completion_request, usage_object)
 from workers.job import Job
-from workers.service import EngineService
+
+if TYPE_CHECKING:
+    from workers.engine_process import EngineProcess
+    from workers.service import EngineService
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def response_body(kind: str, completion_id: str, model: str, job: Job, prepared:
     return completion_object(completion_id, model, choices, usage, created)
 
 
-def execute(service: EngineService, request_id: str, kind: str, body: dict, model: str,
+def execute(service: EngineService | EngineProcess, request_id: str, kind: str, body: dict, model: str,
             created: int | None = None, resume_from: StreamProgress | None = None,
             priority: int = 0) -> tuple[dict, Job]:
     """Run a request to the end (publishing its tokens as they come), going on from `resume_from` if

@@ -1,6 +1,8 @@
-"""EngineService: one engine per worker process, driven by one loop thread that owns the device.
+"""EngineService: one engine per worker, driven by one loop thread that owns the device.
 
-Celery task threads call `run()`: it hands the request to the loop and waits. The loop admits new
+It runs in the worker's engine process (workers/engine_process.py, whose pipe reader hands it jobs
+with `submit()`), or with LLMQ_ENGINE_PROCESS=0 in the Celery worker's own process, where task
+threads call `run()`: it hands the request to the loop and waits. The loop admits new
 requests, aborts cancelled ones, runs `engine.step()`, and hands each step's token deltas to a
 StepWriter, which writes them to Redis in one round trip (on a GPU while the next step runs), so
 tokens reach streaming clients as they are made. A cancel published on
