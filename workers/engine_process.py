@@ -60,7 +60,6 @@ class EngineOptions:
 
 class EngineProcess:
     def __init__(self, options: EngineOptions, publisher: StreamPublisher):
-        self.options = options
         self.publisher = publisher  # the worker's own, for the events its task threads write
         self.tokenizer = Tokenizer.from_folder(options.model_path)
         self._context = multiprocessing.get_context("spawn")  # never fork a process that has threads
@@ -115,14 +114,9 @@ class EngineProcess:
         self._waiting[number] = job
         try:
             self._send(("run", number, request_id, prompts, params, resume_from, priority))
-            if not job.done.wait(timeout):
-                self.cancel(request_id)
-                job.done.wait()
+            return job.result(timeout, self.cancel)
         finally:
             self._waiting.pop(number, None)
-        if job.error is not None:
-            raise job.error
-        return job
 
     def cancel(self, request_id: str) -> None:
         self._send(("cancel", request_id))

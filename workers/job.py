@@ -48,6 +48,16 @@ class Job:
         if self.on_done is not None:
             self.on_done(self)
 
+    def result(self, timeout: float | None, cancel: Callable[[str], None]) -> "Job":
+        """Wait for its end and return it, or raise what it ended with. Past `timeout` it is cancelled
+        with `cancel(request_id)` and waited for again (it ends at the engine's next step)."""
+        if not self.done.wait(timeout):
+            cancel(self.request_id)
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self
+
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for outs in self.outputs for o in outs)

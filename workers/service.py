@@ -102,12 +102,7 @@ class EngineService:
         this worker is stopping."""
         job = Job(request_id, prompts, params, resume_from, priority)
         self.submit(job)
-        if not job.done.wait(timeout):
-            self.cancel(request_id)
-            job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job
+        return job.result(timeout, self.cancel)
 
     def submit(self, job: Job) -> None:
         """Hand a job to the loop without waiting: `job.finish()` reports its end (see `run`)."""

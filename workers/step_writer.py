@@ -93,6 +93,7 @@ class StepWriter:
         self._pending.task_done()
 
     def _write(self, step: StepEvents) -> None:
+        failed = None  # why the write failed; each job gets an error of its own (its task raises it)
         try:
             if (failure := self.failure()) is not None:
                 raise failure
@@ -102,8 +103,7 @@ class StepWriter:
                 if self._failure is None:
                     log.exception("writing a step's token events failed")
                     self._failure = err
-            for job in step.finished:
-                job.error = EngineFailure(f"the request's last tokens could not be written to Redis: {err}")
+            failed = f"the request's last tokens could not be written to Redis: {err}"
         finally:
             for job in step.finished:
-                job.finish()
+                job.finish(EngineFailure(failed) if failed else None)
