@@ -17,8 +17,11 @@ For each run it also prints where the time went: the worker's engine steps and t
 in them (from its heartbeats), against the offline engine's, and the CPU seconds each process took
 (Redis, the web server, the worker, this process: the offline engine or the clients).
 
-The machine's speed drifts (shared, noisy), so the three paths run in rounds, one after another; each
-path's best round is compared with offline's best, and each round's paths with that round's offline.
+The machine's speed drifts (shared, noisy: by a third within minutes), so the runs interleave,
+offline, batch, offline, streams, offline, batch, ... for --rounds rounds, and each service run is
+compared with the mean of the two offline runs on either side of it (benchmarks/bracketed.py); the
+summary quotes the median of those ratios with a 90 % interval, and the latency over every streamed
+event of every round.
 Every run gets fresh prompts (engine_throughput.fresh_prompts): a repeat of the same prompts would
 skip their prefill through the prefix cache.
 """
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.local_stack import LocalStack  # noqa: E402
 from app.models import Batch  # noqa: E402
+from benchmarks.bracketed import bracketed_ratios, median_interval  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, run_llmq, workload  # noqa: E402
 from workers.engine import EngineConfig, LLMEngine  # noqa: E402
 
@@ -232,7 +236,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of offline, batch and streams (default 3)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds of batch and streams, each run between two offline runs (default 6; "
+                             "5 or more give the median a 90%% interval)")
     parser.add_argument("--poll-seconds", type=float, default=0.5,
                         help="how often the batch client polls GET /v1/batches/{id} (default 0.5; polling 20 times a second took about a tenth of the "
                              "service's throughput on 2 cores, more often than any batch client polls)")
@@ -246,6 +252,14 @@ def main() -> None:
     # The offline engine is built as the worker builds its own (the same settings), in this process.
     offline_engine = LLMEngine(EngineConfig(model=str(folder), max_num_seqs=max_num_seqs))
     offline_times, batch_times, stream_runs = [], [], []
+    fresh = iter(range(1_000_000))  # every run below its own fresh prompts
+
+    def run_offline() -> str:
+        cpu_start = cpu.read()
+        offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=next(fresh))
+        offline_times.append(offline["times"][0])
+        return (f"offline {offline['steps']} steps, {offline_times[-1]:.2f} s, "
+                + CpuMeter.describe("CPU s", cpu_start, cpu.read()))
 
     with tempfile.TemporaryDirectory() as home:
         env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
@@ -255,57 +269,60 @@ def main() -> None:
         with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
             cpu = CpuMeter(stack)
             with httpx.Client(base_url=stack.base_url, timeout=600) as client:
-                for round_number in range(args.rounds):
-                    first = 3 * round_number  # each run below its own fresh prompts
-                    cpu_start = cpu.read()
-                    offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=first)
-                    offline_times += offline["times"]
-                    offline_steps = offline["steps"]
-                    before = worker_totals(client, time.time())
-                    cpu_offline = cpu.read()
-                    batch_seconds, batch_seen = run_batch(client, fresh_prompts(requests, first + 1), args.poll_seconds,
-                                                          env["DATABASE_URL"])
+                print(f"offline run 1: {run_offline()}", flush=True)
+                for round_number in range(1, args.rounds + 1):
+                    before, cpu_start = worker_totals(client, time.time()), cpu.read()
+                    batch_seconds, batch_seen = run_batch(client, fresh_prompts(requests, next(fresh)),
+                                                          args.poll_seconds, env["DATABASE_URL"])
                     batch_times.append(batch_seconds)
-                    cpu_batch = cpu.read()
-                    after_batch = worker_totals(client, time.time())
+                    cpu_batch, after_batch = cpu.read(), worker_totals(client, time.time())
+                    offline_after_batch = run_offline()
                     cpu_streams_start = cpu.read()
-                    stream_runs.append(run_streams(stack.base_url, fresh_prompts(requests, first + 2)))
-                    cpu_streams = cpu.read()
-                    after_streams = worker_totals(client, time.time())
+                    stream_runs.append(run_streams(stack.base_url, fresh_prompts(requests, next(fresh))))
+                    cpu_streams, after_streams = cpu.read(), worker_totals(client, time.time())
+                    offline_after_streams = run_offline()
+                    batch_ratio, stream_ratio = (bracketed_ratios(offline_times[-3:-1], batch_times[-1:])[0],
+                                                 bracketed_ratios(offline_times[-2:], [stream_runs[-1][0]])[0])
                     stream_ms = [1000 * x for x in stream_runs[-1][1]]
-                    print(f"round {round_number + 1}: offline {useful / offline_times[-1]:.1f}, "
-                          f"batch {useful / batch_times[-1]:.1f} (its client saw it {batch_seen - batch_seconds:.2f} s "
-                          f"later), streams {useful / stream_runs[-1][0]:.1f} useful tokens/s; "
+                    print(f"round {round_number}: batch {useful / batch_times[-1]:.1f} useful tokens/s, {batch_ratio:.0%} of "
+                          f"the offline runs around it (its client saw it {batch_seen - batch_seconds:.2f} s later); "
+                          f"streams {useful / stream_runs[-1][0]:.1f}, {stream_ratio:.0%}; "
                           f"step -> SSE p50 {percentile(stream_ms, 50):.2f} ms", flush=True)
-                    print(f"  where the time went: offline {offline_steps} steps, {offline_times[-1]:.2f} s; "
-                          + describe_engine("batch", before, after_batch, batch_times[-1]) + "; "
-                          + describe_engine("streams", after_batch, after_streams, stream_runs[-1][0]), flush=True)
-                    print("  " + "; ".join((CpuMeter.describe("offline", cpu_start, cpu_offline),
-                                            CpuMeter.describe("batch", cpu_offline, cpu_batch),
-                                            CpuMeter.describe("streams", cpu_streams_start, cpu_streams))),
-                          flush=True)
+                    print("  " + describe_engine("batch", before, after_batch, batch_times[-1]) + ", "
+                          + CpuMeter.describe("CPU s", cpu_start, cpu_batch), flush=True)
+                    print(f"  offline run {2 * round_number}: {offline_after_batch}", flush=True)
+                    print("  " + describe_engine("streams", after_batch, after_streams, stream_runs[-1][0]) + ", "
+                          + CpuMeter.describe("CPU s", cpu_streams_start, cpu_streams), flush=True)
+                    print(f"  offline run {2 * round_number + 1}: {offline_after_streams}", flush=True)
+    report(useful, offline_times, batch_times, stream_runs)
 
-    offline = min(offline_times)
-    batch_best = min(batch_times)
-    stream_best, latencies = min(stream_runs, key=lambda run: run[0])
-    latencies_ms = [1000 * x for x in latencies]
-    # Two views of one noisy machine: each path's best round against offline's best, and the ratio
-    # within each round (the paths ran a minute apart there), the median of those.
-    paired = {"batch": [o / b for o, b in zip(offline_times, batch_times)],
-              "streams": [o / s for o, (s, _) in zip(offline_times, stream_runs)]}
-    print("\n| path | useful tokens/s (best round) | vs offline's best | vs offline, each round (median) |\n|---|---|---|---|")
-    print(f"| offline engine | {useful / offline:.1f} | 100% | |")
-    for name, seconds, key in (("batch via HTTP + Redis + Celery", batch_best, "batch"),
-                               ("64 requests + 64 SSE clients", stream_best, "streams")):
-        rounds = ", ".join(f"{ratio:.0%}" for ratio in paired[key])
-        print(f"| {name} | {useful / seconds:.1f} | {offline / seconds:.0%} | {rounds} "
-              f"({statistics.median(paired[key]):.0%}) |")
-    print(f"\nstep -> SSE client latency over {len(latencies_ms)} token events (best streams round): "
+
+def report(useful: int, offline_times: list[float], batch_times: list[float],
+           stream_runs: list[tuple[float, list[float]]]) -> None:
+    """The summary: each path's runs against the offline runs around them (offline 0, batch 0,
+    offline 1, streams 0, offline 2, batch 1, ...), and the token latency over every streamed event."""
+    stream_times = [seconds for seconds, _ in stream_runs]
+    in_order = [seconds for pair in zip(batch_times, stream_times) for seconds in pair]
+    every_ratio = bracketed_ratios(offline_times, in_order)
+    ratios = {"batch": every_ratio[0::2], "streams": every_ratio[1::2]}
+    print("\n| path | useful tokens/s (best run) | vs the offline runs around it: median [90 % interval] | each run |"
+          "\n|---|---|---|---|")
+    print(f"| offline engine | {useful / min(offline_times):.1f} | | "
+          f"{useful / max(offline_times):.0f}–{useful / min(offline_times):.0f} tok/s |")
+    for name, times, key in (("batch via HTTP + Redis + Celery", batch_times, "batch"),
+                             ("64 requests + 64 SSE clients", stream_times, "streams")):
+        interval = median_interval(ratios[key])
+        summary = (f"{interval[1]:.0%} [{interval[0]:.0%}, {interval[2]:.0%}]" if interval
+                   else f"{statistics.median(ratios[key]):.0%} (too few runs for an interval)")
+        print(f"| {name} | {useful / min(times):.1f} | {summary} | {', '.join(f'{r:.0%}' for r in ratios[key])} |")
+    latencies_ms = [1000 * x for _, run in stream_runs for x in run]
+    round_p50s = [percentile([1000 * x for x in run], 50) for _, run in stream_runs]
+    print(f"\nstep -> SSE client latency over all {len(latencies_ms)} token events of {len(stream_runs)} runs: "
           f"p50 {percentile(latencies_ms, 50):.2f} ms, p90 {percentile(latencies_ms, 90):.2f} ms, "
-          f"p99 {percentile(latencies_ms, 99):.2f} ms")
+          f"p99 {percentile(latencies_ms, 99):.2f} ms (each run's p50: {min(round_p50s):.2f}–{max(round_p50s):.2f} ms)")
     print(json.dumps({"useful_tokens": useful, "offline_s": offline_times, "batch_s": batch_times,
-                      "streams_s": [t for t, _ in stream_runs], "latency_ms_p50": percentile(latencies_ms, 50),
-                      "latency_ms_p99": percentile(latencies_ms, 99)}))
+                      "streams_s": stream_times, "batch_ratios": ratios["batch"], "streams_ratios": ratios["streams"],
+                      "latency_ms_p50": percentile(latencies_ms, 50), "latency_ms_p99": percentile(latencies_ms, 99)}))
 
 
 if __name__ == "__main__":
