@@ -226,8 +226,8 @@ class CpuMeter:
         return {name: tree_cpu(table, pid, descendants=name != "client") for name, pid in self.parts.items()}
 
     @staticmethod
-    def describe(path: str, before: dict[str, float], after: dict[str, float]) -> str:
-        return f"{path} CPU s " + ", ".join(f"{name} {after[name] - before[name]:.2f}" for name in before)
+    def describe(before: dict[str, float], after: dict[str, float]) -> str:
+        return "CPU s " + ", ".join(f"{name} {after[name] - before[name]:.2f}" for name in before)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -259,7 +259,7 @@ def main() -> None:
         offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=next(fresh))
         offline_times.append(offline["times"][0])
         return (f"offline {offline['steps']} steps, {offline_times[-1]:.2f} s, "
-                + CpuMeter.describe("CPU s", cpu_start, cpu.read()))
+                + CpuMeter.describe(cpu_start, cpu.read()))
 
     with tempfile.TemporaryDirectory() as home:
         env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
@@ -289,10 +289,10 @@ def main() -> None:
                           f"streams {useful / stream_runs[-1][0]:.1f}, {stream_ratio:.0%}; "
                           f"step -> SSE p50 {percentile(stream_ms, 50):.2f} ms", flush=True)
                     print("  " + describe_engine("batch", before, after_batch, batch_times[-1]) + ", "
-                          + CpuMeter.describe("CPU s", cpu_start, cpu_batch), flush=True)
+                          + CpuMeter.describe(cpu_start, cpu_batch), flush=True)
                     print(f"  offline run {2 * round_number}: {offline_after_batch}", flush=True)
                     print("  " + describe_engine("streams", after_batch, after_streams, stream_runs[-1][0]) + ", "
-                          + CpuMeter.describe("CPU s", cpu_streams_start, cpu_streams), flush=True)
+                          + CpuMeter.describe(cpu_streams_start, cpu_streams), flush=True)
                     print(f"  offline run {2 * round_number + 1}: {offline_after_streams}", flush=True)
     report(useful, offline_times, batch_times, stream_runs)
 
