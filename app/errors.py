@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, jsonify, request
+from flask import Flask, current_app, jsonify, request
+from sqlalchemy import inspect
+from sqlalchemy.exc import OperationalError, ProgrammingError
 from werkzeug.exceptions import HTTPException
 
 from workers.engine.config import InvalidRequest
@@ -55,7 +57,28 @@ def register_error_handlers(app: Flask) -> None:
         message = messages.get(err.code, err.description)
         return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)
 
+    @app.errorhandler(OperationalError)
+    @app.errorhandler(ProgrammingError)
+    def _database_error(err: Exception):
+        # A web process started before the Procfile's release step (or without it) finds no tables:
+        # say what to run, rather than a bare 500 on every request.
+        if not _database_migrated():
+            log.error("the database has not been migrated: run `python -m alembic upgrade head` (%s)", err)
+            return error_response(503, "The server's database has not been migrated yet: its operator must run "
+                                       "`python -m alembic upgrade head` (the Procfile's release step)",
+                                  code="database_not_migrated")
+        return _unexpected(err)
+
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
         log.exception("unhandled error")  # the traceback goes to the log, never to the client
         return error_response(500, "The server had an error while processing your request", code="server_error")
+
+
+def _database_migrated() -> bool:
+    """Whether Alembic has stamped the database (its alembic_version table exists); True when the
+    database cannot even be asked, so a database that is down is not taken for an empty one."""
+    try:
+        return inspect(current_app.extensions["llmq_db"].engine).has_table("alembic_version")
+    except Exception:  # unreachable, or broken otherwise: the original error is the one to report
+        return True

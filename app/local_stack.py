@@ -44,8 +44,8 @@ class LocalStack:
                  log_dir: Path | None = None, web: str = "thread"):
         """`env` overrides the environment for every process. With start_redis, a private
         redis-server on a free port is started (and stopped) by the stack. `web`: "thread" serves the
-        app from a thread of this process (tests reach `stack.app`), "gunicorn" runs the Procfile's
-        web server as its own process."""
+        app from a thread of this process (tests reach `stack.app`), "gunicorn" runs the web server as
+        the Procfile does (gunicorn's threaded worker), as its own process: one process of 128 threads."""
         self.env = {**os.environ, **(env or {})}
         self.start_redis = start_redis
         self.num_workers = workers
