@@ -57,6 +57,11 @@ def register_error_handlers(app: Flask) -> None:
         message = messages.get(err.code, err.description)
         return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)
 
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        log.exception("unhandled error")  # the traceback goes to the log, never to the client
+        return error_response(500, "The server had an error while processing your request", code="server_error")
+
     @app.errorhandler(OperationalError)
     @app.errorhandler(ProgrammingError)
     def _database_error(err: Exception):
@@ -68,11 +73,6 @@ def register_error_handlers(app: Flask) -> None:
                                        "`python -m alembic upgrade head` (the Procfile's release step)",
                                   code="database_not_migrated")
         return _unexpected(err)
-
-    @app.errorhandler(Exception)
-    def _unexpected(err: Exception):
-        log.exception("unhandled error")  # the traceback goes to the log, never to the client
-        return error_response(500, "The server had an error while processing your request", code="server_error")
 
 
 def _database_migrated() -> bool:
