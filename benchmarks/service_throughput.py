@@ -254,7 +254,7 @@ def main() -> None:
     offline_times, batch_times, stream_runs = [], [], []
     fresh = iter(range(1_000_000))  # every run below its own fresh prompts
 
-    def run_offline() -> str:
+    def run_offline(cpu: CpuMeter) -> str:
         cpu_start = cpu.read()
         offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=next(fresh))
         offline_times.append(offline["times"][0])
@@ -269,20 +269,20 @@ def main() -> None:
         with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
             cpu = CpuMeter(stack)
             with httpx.Client(base_url=stack.base_url, timeout=600) as client:
-                print(f"offline run 1: {run_offline()}", flush=True)
+                print(f"offline run 1: {run_offline(cpu)}", flush=True)
                 for round_number in range(1, args.rounds + 1):
                     before, cpu_start = worker_totals(client, time.time()), cpu.read()
                     batch_seconds, batch_seen = run_batch(client, fresh_prompts(requests, next(fresh)),
                                                           args.poll_seconds, env["DATABASE_URL"])
                     batch_times.append(batch_seconds)
                     cpu_batch, after_batch = cpu.read(), worker_totals(client, time.time())
-                    offline_after_batch = run_offline()
+                    offline_after_batch = run_offline(cpu)
                     cpu_streams_start = cpu.read()
                     stream_runs.append(run_streams(stack.base_url, fresh_prompts(requests, next(fresh))))
                     cpu_streams, after_streams = cpu.read(), worker_totals(client, time.time())
-                    offline_after_streams = run_offline()
-                    batch_ratio, stream_ratio = (bracketed_ratios(offline_times[-3:-1], batch_times[-1:])[0],
-                                                 bracketed_ratios(offline_times[-2:], [stream_runs[-1][0]])[0])
+                    offline_after_streams = run_offline(cpu)
+                    batch_ratios, stream_ratios = path_ratios(offline_times, batch_times, stream_runs)
+                    batch_ratio, stream_ratio = batch_ratios[-1], stream_ratios[-1]
                     stream_ms = [1000 * x for x in stream_runs[-1][1]]
                     print(f"round {round_number}: batch {useful / batch_times[-1]:.1f} useful tokens/s, {batch_ratio:.0%} of "
                           f"the offline runs around it (its client saw it {batch_seen - batch_seconds:.2f} s later); "
@@ -297,14 +297,22 @@ def main() -> None:
     report(useful, offline_times, batch_times, stream_runs)
 
 
+def path_ratios(offline_times: list[float], batch_times: list[float],
+                stream_runs: list[tuple[float, list[float]]]) -> tuple[list[float], list[float]]:
+    """Each batch and streams run against the offline runs around it, in the order they ran:
+    offline 0, batch 0, offline 1, streams 0, offline 2, batch 1, ..."""
+    in_order = [seconds for batch, (streams, _) in zip(batch_times, stream_runs) for seconds in (batch, streams)]
+    every_ratio = bracketed_ratios(offline_times, in_order)
+    return every_ratio[0::2], every_ratio[1::2]
+
+
 def report(useful: int, offline_times: list[float], batch_times: list[float],
            stream_runs: list[tuple[float, list[float]]]) -> None:
-    """The summary: each path's runs against the offline runs around them (offline 0, batch 0,
-    offline 1, streams 0, offline 2, batch 1, ...), and the token latency over every streamed event."""
+    """The summary: each path's runs against the offline runs around them (path_ratios), and the
+    token latency over every streamed event."""
     stream_times = [seconds for seconds, _ in stream_runs]
-    in_order = [seconds for pair in zip(batch_times, stream_times) for seconds in pair]
-    every_ratio = bracketed_ratios(offline_times, in_order)
-    ratios = {"batch": every_ratio[0::2], "streams": every_ratio[1::2]}
+    batch_ratios, stream_ratios = path_ratios(offline_times, batch_times, stream_runs)
+    ratios = {"batch": batch_ratios, "streams": stream_ratios}
     print("\n| path | useful tokens/s (best run) | vs the offline runs around it: median [90 % interval] | each run |"
           "\n|---|---|---|---|")
     print(f"| offline engine | {useful / min(offline_times):.1f} | | "
