@@ -37,8 +37,9 @@ from benchmarks.service_throughput import follow_events, percentile, process_tab
 def write_steps(redis_url: str, request_ids: list[str], steps: int, step_ms: float, start, write_ms,
                 web_pid: int, web_cpu) -> None:
     """A worker's engine loop without the engine: one delta per request every step_ms, then the end.
-    Notes the web server's CPU seconds when the clients have opened their streams, before the first
-    step, and after the last: what opening the streams took, and what the events took."""
+    Notes the web server's CPU seconds before the clients start, once they have opened their streams
+    (just before the first step) and after the last step: what opening the streams took, and what
+    the events took (their streams' ends included)."""
     client = redis.Redis.from_url(redis_url)
     web_cpu.append(tree_cpu(process_table(), web_pid))
     start.wait()
