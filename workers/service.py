@@ -52,7 +52,7 @@ class EngineService:
     every step of the worker measurably slower than the same step offline.
 
     `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
-    starts inherit it (LLMQ_ENGINE_NICE, see Settings.engine_nice). `background_writes`: a thread of
+    starts inherit it (LLMQ_ENGINE_NICE, see Settings.resolved_engine_nice). `background_writes`: a thread of
     its own writes each step's events while the next step runs (workers/step_writer.py)."""
 
     def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0,
@@ -318,15 +318,21 @@ def load_and_warm(model_path: str, engine_options: dict) -> "LLMEngine":
 
 
 def _set_thread_nice(nice: int) -> None:
-    """Give the calling thread (and the threads it starts from now on) this nice value. Linux keeps
+    """Give the calling thread (and the threads it starts from now on) at least this nice value: one
+    that already runs at a higher one (the whole worker started under `nice`) keeps it. Linux keeps
     one per thread; elsewhere the engine keeps the process's priority."""
     if not nice:
         return
     if not sys.platform.startswith("linux"):
         log.info("engine priority (nice %d) not set: per-thread priorities need Linux", nice)
         return
+    thread_id = threading.get_native_id()
+    if os.getpriority(os.PRIO_PROCESS, thread_id) >= nice:
+        log.info("engine threads keep the worker's nice value, %d (at least %d was asked)",
+                 os.getpriority(os.PRIO_PROCESS, thread_id), nice)
+        return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, thread_id, nice)
     except OSError as err:  # raising priority (a lower nice than the process has) needs privileges
         log.warning("could not set the engine threads' nice value to %d: %s", nice, err)
         return
