@@ -6,12 +6,19 @@ import pytest
 from app.config import Settings
 
 
-@pytest.mark.parametrize("value, expected", [(None, 0), ("10", 10), ("0", 0)])
-def test_engine_nice(monkeypatch, value, expected):
-    monkeypatch.delenv("LLMQ_ENGINE_NICE", raising=False)
-    if value is not None:
-        monkeypatch.setenv("LLMQ_ENGINE_NICE", value)
-    assert Settings.from_env().engine_nice == expected
+@pytest.mark.parametrize("env, expected", [
+    ({}, 3),  # on the CPU the engine's threads give way to the serving threads that share its cores
+    ({"LLMQ_DEVICE": "cuda"}, 0),  # on a GPU they mostly wait for the device
+    ({"LLMQ_ENGINE_NICE": "10"}, 10),
+    ({"LLMQ_ENGINE_NICE": "0"}, 0),  # an explicit 0 is kept, not taken for unset
+    ({"LLMQ_DEVICE": "cuda", "LLMQ_ENGINE_NICE": "5"}, 5),
+])
+def test_engine_nice(monkeypatch, env, expected):
+    for name in ("LLMQ_DEVICE", "LLMQ_ENGINE_NICE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert Settings.from_env().resolved_engine_nice() == expected
 
 
 def test_a_non_integer_engine_nice_names_the_variable(monkeypatch):

@@ -51,13 +51,13 @@ def start_engine(sender=None, **_):
 
         service = EngineProcess(EngineOptions(
             str(model_path), settings.engine_options(), settings.resolved_redis_url(), settings.redis_retry_seconds,
-            settings.stream_maxlen, settings.stream_ttl, settings.engine_nice, settings.resolved_background_stream_writes(),
+            settings.stream_maxlen, settings.stream_ttl, settings.resolved_engine_nice(), settings.resolved_background_stream_writes(),
             logging.getLogger().getEffectiveLevel()), publisher)
     else:
         from workers.service import EngineService, load_and_warm
 
         service = EngineService(partial(load_and_warm, str(model_path), settings.engine_options()), publisher,
-                                nice=settings.engine_nice,
+                                nice=settings.resolved_engine_nice(),
                                 background_writes=settings.resolved_background_stream_writes())
     service.start()
     install(service)
