@@ -1,6 +1,6 @@
-"""The engine's nice value is a floor: a thread already at a higher one keeps it (raising a thread's
-priority back would need privileges), one at a lower one is lowered to it. Each case runs in a
-thread of its own, so the test process keeps its priority."""
+"""The engine's nice value is a floor: a thread already at a higher nice value keeps it (taking it
+back down would need privileges, and the operator chose it), a thread at a lower one is given the
+value asked. Each case runs in a thread of its own, so the test process keeps its priority."""
 from __future__ import annotations
 
 import os
@@ -35,8 +35,8 @@ BASE = os.getpriority(os.PRIO_PROCESS, 0)  # the test process's own nice value: 
 
 @pytest.mark.skipif(BASE > 11, reason="the cases need nice values up to 8 above the process's, and 19 is the most")
 @pytest.mark.parametrize("start, asked, expected", [
-    (0, 3, 3),  # lowered to what is asked
-    (8, 3, 8),  # already lower: kept (as root it could be raised back; the worker's own choice stands)
+    (0, 3, 3),  # given the value asked
+    (8, 3, 8),  # already higher: kept (as root it could be taken down; the worker's own choice stands)
     (5, 5, 5),
 ])
 def test_the_nice_value_is_a_floor(start, asked, expected):
