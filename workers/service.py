@@ -327,9 +327,9 @@ def _set_thread_nice(nice: int) -> None:
         log.info("engine priority (nice %d) not set: per-thread priorities need Linux", nice)
         return
     thread_id = threading.get_native_id()
-    if os.getpriority(os.PRIO_PROCESS, thread_id) >= nice:
-        log.info("engine threads keep the worker's nice value, %d (at least %d was asked)",
-                 os.getpriority(os.PRIO_PROCESS, thread_id), nice)
+    current = os.getpriority(os.PRIO_PROCESS, thread_id)
+    if current >= nice:
+        log.info("engine threads keep the worker's nice value, %d (at least %d was asked)", current, nice)
         return
     try:
         os.setpriority(os.PRIO_PROCESS, thread_id, nice)
