@@ -20,6 +20,7 @@ demo: setup
 	$(BIN)/llmq demo
 
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 bench: setup

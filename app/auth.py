@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from flask import current_app, g, request
 
-from app.api_keys import SECRET_PATTERN, any_key_exists, find_key
-from app.database import Database
 from app.errors import APIError
-from app.models import DEFAULT_TENANT, ApiKey
+from app.services import services
+from llmq.store.api_keys import SECRET_PATTERN, any_key_exists, find_key
+from llmq.store.database import Database
+from llmq.store.models import DEFAULT_TENANT, ApiKey
 
 # Every route of these blueprints is open: load balancers probe health without a key. Everything
 # else, the OpenAPI description included, is for key holders once keys exist (fetch it with yours).
@@ -37,7 +38,7 @@ def authenticate() -> None:
     """before_request: set g.tenant and g.api_key, or raise 401."""
     if is_public():
         return
-    database: Database = current_app.extensions["llmq_db"]
+    database: Database = services().db
     if not _keys_in_use(database):
         g.tenant, g.api_key = DEFAULT_TENANT, None
         return

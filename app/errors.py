@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, current_app, jsonify, request
+from flask import Flask, jsonify, request
 from sqlalchemy import inspect
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from werkzeug.exceptions import HTTPException
 
-from workers.engine.config import InvalidRequest
+from app.services import services
+from llmq.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(InvalidRequest)
     def _invalid(err: InvalidRequest):
-        return error_response(400, str(err), err.param, "invalid_request")
+        return error_response(400, str(err), err.param, err.code)
 
     @app.errorhandler(HTTPException)
     def _http(err: HTTPException):
@@ -79,6 +80,6 @@ def _database_migrated() -> bool:
     """Whether Alembic has stamped the database (its alembic_version table exists); True when the
     database cannot even be asked, so a database that is down is not taken for an empty one."""
     try:
-        return inspect(current_app.extensions["llmq_db"].engine).has_table("alembic_version")
+        return inspect(services().db.engine).has_table("alembic_version")
     except Exception:  # unreachable, or broken otherwise: the original error is the one to report
         return True

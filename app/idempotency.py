@@ -26,8 +26,9 @@ import redis
 from flask import Flask, Response, current_app, g, request
 
 from app.auth import current_tenant, is_public
-from app.completion_stream import ResponseSpec
 from app.errors import APIError
+from app.services import services
+from llmq.protocol.responses import ResponseSpec
 
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -86,7 +87,7 @@ def follow(spec: ResponseSpec, stream: bool) -> None:
     claim: Claim | None = g.get("idempotency_claim")
     if claim is not None:
         # Kept no longer than the request's stream may live: a duplicate follows that stream.
-        ttl = min(TTL_SECONDS, current_app.config["LLMQ"].stream_ttl)
+        ttl = min(TTL_SECONDS, services().settings.stream_ttl)
         _update_own_record(claim, {"state": "following", "spec": asdict(spec), "stream": stream}, ttl)
 
 
@@ -165,4 +166,4 @@ def _fingerprint() -> str:
 
 
 def _redis() -> redis.Redis:
-    return current_app.extensions["llmq_redis"]
+    return services().redis

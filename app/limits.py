@@ -1,8 +1,8 @@
 """Per-key limits: requests and tokens per minute (counted in Redis, so they hold across every web
 process), upload size, lines per batch file, and max_tokens.
 
-Each limit is the key's own value (app.models.ApiKey) where it has one, else the server-wide default
-(app.config.Settings: LLMQ_RATE_LIMIT_RPM, LLMQ_RATE_LIMIT_TPM, LLMQ_MAX_UPLOAD_BYTES,
+Each limit is the key's own value (llmq.store.models.ApiKey) where it has one, else the server-wide default
+(llmq.settings.Settings: LLMQ_RATE_LIMIT_RPM, LLMQ_RATE_LIMIT_TPM, LLMQ_MAX_UPLOAD_BYTES,
 LLMQ_MAX_BATCH_LINES, LLMQ_MAX_TOKENS_LIMIT). On an install without keys the limits apply to tenant
 "default" as a whole.
 
@@ -18,12 +18,13 @@ import math
 from dataclasses import dataclass
 
 import redis
-from flask import current_app, request
+from flask import request
 
 from app.auth import current_key, current_tenant, is_public
-from app.config import Settings
 from app.errors import APIError
-from app.models import ApiKey
+from app.services import services
+from llmq.settings import Settings
+from llmq.store.models import ApiKey
 
 WINDOW_MS = 60_000
 
@@ -71,7 +72,7 @@ class Limits:
 
 
 def current_limits() -> Limits:
-    return Limits.effective(current_app.config["LLMQ"], current_key())
+    return Limits.effective(services().settings, current_key())
 
 
 def limit_request_rate() -> None:
@@ -114,7 +115,7 @@ def check_batch_lines(num_lines: int) -> None:
 def _consume(rate: str, amount: int, limit: int, describe) -> None:
     if not limit:
         return
-    client: redis.Redis = current_app.extensions["llmq_redis"]
+    client: redis.Redis = services().redis
     wait_ms = client.register_script(_CONSUME)(keys=[_counter_key(rate)], args=[amount, limit, WINDOW_MS])
     if wait_ms:
         retry_after = max(1, math.ceil(wait_ms / 1000))

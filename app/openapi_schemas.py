@@ -1,12 +1,14 @@
 """The JSON Schemas (OpenAPI 3.1, so plain JSON Schema 2020-12) of what llmq reads and writes.
 
-Request bodies carry the constraints the validators enforce (workers/openai_protocol.py,
-workers/engine/config.py SamplingParams, app/api/*.py), so a client generated from the document is
-refused for the same reasons the server refuses it. What a schema cannot say (a prompt plus
+Request bodies carry the constraints the validators enforce (llmq/protocol/openai.py,
+llmq/sampling_params.py, app/api/*.py; their numbers from llmq/limits.py), so a client generated
+from the document is refused for the same reasons the server refuses it. What a schema cannot say (a prompt plus
 max_tokens must fit the served model's context; n at most the server's max_num_seqs) is said in the
 field's description and answered with a 400 naming the field.
 """
 from __future__ import annotations
+
+from llmq.limits import MAX_LOGPROBS, MAX_N, MAX_STOP_SEQUENCES
 
 
 def ref(name: str) -> dict:
@@ -53,9 +55,9 @@ _SAMPLING = {
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1, "default": 1},
     "top_k": {"type": ["integer", "null"], "minimum": -1, "default": 0,
               "description": "llmq extension (as vLLM); 0 or -1 = off"},
-    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 128, "default": 1,
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N, "default": 1,
           "description": "samples per prompt; at most the server's LLMQ_MAX_NUM_SEQS"},
-    "stop": {"anyOf": [_NON_EMPTY_STRING, {"type": "array", "maxItems": 4, "items": _NON_EMPTY_STRING},
+    "stop": {"anyOf": [_NON_EMPTY_STRING, {"type": "array", "maxItems": MAX_STOP_SEQUENCES, "items": _NON_EMPTY_STRING},
                        {"type": "null"}],
              "description": "up to 4 stop strings; the stop string itself is not in the text"},
     "seed": {"type": ["integer", "null"], "description": "per-request seed; the same seed gives the same text"},
@@ -82,7 +84,7 @@ COMPLETION_REQUEST = {
         "prompt": {"anyOf": [_NON_EMPTY_STRING, _TOKEN_IDS,
                              {"type": "array", "minItems": 1, "items": {"anyOf": [_NON_EMPTY_STRING, _TOKEN_IDS]}}],
                    "description": "a string, a list of strings, a list of token ids, or a list of token-id lists"},
-        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20,
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
                      "description": "log-probabilities of the chosen token plus this many alternatives"},
         "echo": {"type": ["boolean", "null"], "default": False},
         "best_of": {"type": ["integer", "null"], "minimum": 1, "description": "only equal to n"},
@@ -106,7 +108,7 @@ CHAT_COMPLETION_REQUEST = {
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
                                   "description": "the same as max_tokens; wins when both are given"},
         "logprobs": {"type": ["boolean", "null"], "default": False},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
     },
 }
 

@@ -5,8 +5,8 @@ The database keeps float unix times; OpenAI's objects carry whole seconds (or nu
 """
 from __future__ import annotations
 
-from app.models import Batch, File
-from workers.batch_lifecycle import request_counts  # torch-free bookkeeping
+from llmq.store.batch_lifecycle import request_counts  # torch-free bookkeeping
+from llmq.store.models import Batch, File
 
 
 def unix_seconds(value: float | None) -> int | None:

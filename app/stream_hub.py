@@ -29,11 +29,13 @@ from collections.abc import Iterator
 import orjson
 import redis
 
-from app.streams import STEPS_CHANNEL, entry_id_key, stream_entry, stream_key
+from llmq import events
+from llmq.events import STEPS_CHANNEL, DeltaEvent, Event, stream_key
+from llmq.streams import entry_id_key, stream_entry
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[str, dict]  # (stream entry id "0-<n>", the event)
+Entry = tuple[str, Event]  # (stream entry id "0-<n>", the event)
 
 
 class _Reader:
@@ -58,7 +60,7 @@ class StreamHub:
         self._thread: threading.Thread | None = None
 
     def read_events(self, request_id: str, last_id: str = "0-0", idle_s: float = 1.0,
-                    timeout: float | None = None) -> Iterator[tuple[str | None, dict | None]]:
+                    timeout: float | None = None) -> Iterator[tuple[str | None, Event | None]]:
         """Yield (entry id, event) from the request's stream after `last_id`, waiting for new ones,
         until a done or error event. Yields (None, None) after each `idle_s` with nothing new, so a
         caller can check its client is still there; stops after `timeout` seconds without any event."""
@@ -77,7 +79,7 @@ class StreamHub:
                 idle_since = time.monotonic()
                 for entry_id, event in entries:
                     yield entry_id, event
-                    if event["type"] in ("done", "error"):
+                    if not isinstance(event, DeltaEvent):  # done or error: the request's last
                         return
         finally:
             with self._lock:
@@ -190,7 +192,7 @@ class StreamHub:
                         continue
                     if position == (0, number - 1):
                         reader.last_id = entry_id
-                        handed.setdefault(reader, []).append((entry_id, event))
+                        handed.setdefault(reader, []).append((entry_id, events.from_dict(event)))
                     else:
                         reader.caught_up = False
 
@@ -212,7 +214,7 @@ class StreamHub:
                 if isinstance(entries, redis.ResponseError):  # no id comes after its position: nothing to read
                     log.warning("stream hub: reading %s after %s: %s", reader.key, position, entries)
                     entries = []
-                fresh = [(entry_id, orjson.loads(data)) for entry_id, data in map(stream_entry, entries)]
+                fresh = [(entry_id, events.decode(data)) for entry_id, data in map(stream_entry, entries)]
                 reader.caught_up = True
                 if fresh:
                     reader.last_id = fresh[-1][0]

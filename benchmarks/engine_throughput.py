@@ -22,9 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from workers.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint  # noqa: E402
-from workers.settings import llmq_home  # noqa: E402
+from llmq.bootstrap import llmq_home  # noqa: E402
+from llmq.engine.config import EngineConfig  # noqa: E402
+from llmq.engine.llm import LLMEngine
+from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint  # noqa: E402
+from llmq.sampling_params import SamplingParams
 
 BENCH_CONFIG = {
     "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,

@@ -47,11 +47,12 @@ from sqlalchemy import select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_stack import LocalStack  # noqa: E402
-from app.models import Batch  # noqa: E402
 from benchmarks.bracketed import bracketed_ratios, median_interval  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, run_llmq, workload  # noqa: E402
-from workers.engine import EngineConfig, LLMEngine  # noqa: E402
+from llmq.engine.config import EngineConfig  # noqa: E402
+from llmq.engine.llm import LLMEngine
+from llmq.store.models import Batch  # noqa: E402
+from stack.local import LocalStack  # noqa: E402
 
 MODEL = "bench-42m"
 
@@ -235,6 +236,27 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
+    args = _arguments()
+    folder = bench_model_dir()
+    requests = workload()
+    max_num_seqs = 128
+    # The offline engine is built as the worker builds its own (the same settings), in this process.
+    runs = _Runs(LLMEngine(EngineConfig(model=str(folder), max_num_seqs=max_num_seqs)), folder, requests)
+    with tempfile.TemporaryDirectory() as home:
+        env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
+               "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": str(max_num_seqs), "LLMQ_WORKER_THREADS": "160",
+               **dict(item.split("=", 1) for item in args.worker_env)}
+        # The web server runs as its own process (as the Procfile runs it), not beside the clients.
+        with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
+            cpu = CpuMeter(stack)
+            with httpx.Client(base_url=stack.base_url, timeout=600) as client:
+                print(f"offline run 1: {runs.offline(cpu)}", flush=True)
+                for round_number in range(1, args.rounds + 1):
+                    runs.round(round_number, stack, client, cpu, args.poll_seconds, env["DATABASE_URL"])
+    report(sum(o for _, o in requests), runs.offline_times, runs.batch_times, runs.stream_runs)
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6,
                         help="rounds of batch and streams, each run between two offline runs (default 6; "
@@ -244,57 +266,50 @@ def main() -> None:
                              "service's throughput on 2 cores, more often than any batch client polls)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the service processes (repeatable)")
-    args = parser.parse_args()
-    folder = bench_model_dir()
-    requests = workload()
-    useful = sum(o for _, o in requests)
-    max_num_seqs = 128
-    # The offline engine is built as the worker builds its own (the same settings), in this process.
-    offline_engine = LLMEngine(EngineConfig(model=str(folder), max_num_seqs=max_num_seqs))
-    offline_times, batch_times, stream_runs = [], [], []
-    fresh = iter(range(1_000_000))  # every run below its own fresh prompts
+    return parser.parse_args()
 
-    def run_offline(cpu: CpuMeter) -> str:
+
+class _Runs:
+    """Every run's time, in order: offline, then per round a batch, offline, streams, offline."""
+
+    def __init__(self, offline_engine: LLMEngine, folder: Path, requests):
+        self.offline_engine, self.folder, self.requests = offline_engine, folder, requests
+        self.useful = sum(o for _, o in requests)
+        self.offline_times, self.batch_times, self.stream_runs = [], [], []
+        self.fresh = iter(range(1_000_000))  # every run below its own fresh prompts
+
+    def offline(self, cpu: CpuMeter) -> str:
         cpu_start = cpu.read()
-        offline = run_llmq(folder, requests, 1, engine=offline_engine, first_repeat=next(fresh))
-        offline_times.append(offline["times"][0])
-        return (f"offline {offline['steps']} steps, {offline_times[-1]:.2f} s, "
+        offline = run_llmq(self.folder, self.requests, 1, engine=self.offline_engine, first_repeat=next(self.fresh))
+        self.offline_times.append(offline["times"][0])
+        return (f"offline {offline['steps']} steps, {self.offline_times[-1]:.2f} s, "
                 + CpuMeter.describe(cpu_start, cpu.read()))
 
-    with tempfile.TemporaryDirectory() as home:
-        env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
-               "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": str(max_num_seqs), "LLMQ_WORKER_THREADS": "160",
-               **dict(item.split("=", 1) for item in args.worker_env)}
-        # The web server runs as its own process (as the Procfile runs it), not beside the clients.
-        with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
-            cpu = CpuMeter(stack)
-            with httpx.Client(base_url=stack.base_url, timeout=600) as client:
-                print(f"offline run 1: {run_offline(cpu)}", flush=True)
-                for round_number in range(1, args.rounds + 1):
-                    before, cpu_start = worker_totals(client, time.time()), cpu.read()
-                    batch_seconds, batch_seen = run_batch(client, fresh_prompts(requests, next(fresh)),
-                                                          args.poll_seconds, env["DATABASE_URL"])
-                    batch_times.append(batch_seconds)
-                    cpu_batch, after_batch = cpu.read(), worker_totals(client, time.time())
-                    offline_after_batch = run_offline(cpu)
-                    cpu_streams_start = cpu.read()
-                    stream_runs.append(run_streams(stack.base_url, fresh_prompts(requests, next(fresh))))
-                    cpu_streams, after_streams = cpu.read(), worker_totals(client, time.time())
-                    offline_after_streams = run_offline(cpu)
-                    batch_ratios, stream_ratios = path_ratios(offline_times, batch_times, stream_runs)
-                    batch_ratio, stream_ratio = batch_ratios[-1], stream_ratios[-1]
-                    stream_ms = [1000 * x for x in stream_runs[-1][1]]
-                    print(f"round {round_number}: batch {useful / batch_times[-1]:.1f} useful tokens/s, {batch_ratio:.0%} of "
-                          f"the offline runs around it (its client saw it {batch_seen - batch_seconds:.2f} s later); "
-                          f"streams {useful / stream_runs[-1][0]:.1f}, {stream_ratio:.0%}; "
-                          f"step -> SSE p50 {percentile(stream_ms, 50):.2f} ms", flush=True)
-                    print("  " + describe_engine("batch", before, after_batch, batch_times[-1]) + ", "
-                          + CpuMeter.describe(cpu_start, cpu_batch), flush=True)
-                    print(f"  offline run {2 * round_number}: {offline_after_batch}", flush=True)
-                    print("  " + describe_engine("streams", after_batch, after_streams, stream_runs[-1][0]) + ", "
-                          + CpuMeter.describe(cpu_streams_start, cpu_streams), flush=True)
-                    print(f"  offline run {2 * round_number + 1}: {offline_after_streams}", flush=True)
-    report(useful, offline_times, batch_times, stream_runs)
+    def round(self, number: int, stack: LocalStack, client: httpx.Client, cpu: CpuMeter, poll_seconds: float,
+              database_url: str) -> None:
+        """A batch, an offline run, the streams, an offline run; prints the round's figures."""
+        before, cpu_start = worker_totals(client, time.time()), cpu.read()
+        batch_seconds, batch_seen = run_batch(client, fresh_prompts(self.requests, next(self.fresh)), poll_seconds,
+                                              database_url)
+        self.batch_times.append(batch_seconds)
+        cpu_batch, after_batch = cpu.read(), worker_totals(client, time.time())
+        offline_after_batch = self.offline(cpu)
+        cpu_streams_start = cpu.read()
+        self.stream_runs.append(run_streams(stack.base_url, fresh_prompts(self.requests, next(self.fresh))))
+        cpu_streams, after_streams = cpu.read(), worker_totals(client, time.time())
+        offline_after_streams = self.offline(cpu)
+        batch_ratios, stream_ratios = path_ratios(self.offline_times, self.batch_times, self.stream_runs)
+        stream_ms = [1000 * x for x in self.stream_runs[-1][1]]
+        print(f"round {number}: batch {self.useful / batch_seconds:.1f} useful tokens/s, {batch_ratios[-1]:.0%} of "
+              f"the offline runs around it (its client saw it {batch_seen - batch_seconds:.2f} s later); "
+              f"streams {self.useful / self.stream_runs[-1][0]:.1f}, {stream_ratios[-1]:.0%}; "
+              f"step -> SSE p50 {percentile(stream_ms, 50):.2f} ms", flush=True)
+        print("  " + describe_engine("batch", before, after_batch, batch_seconds) + ", "
+              + CpuMeter.describe(cpu_start, cpu_batch), flush=True)
+        print(f"  offline run {2 * number}: {offline_after_batch}", flush=True)
+        print("  " + describe_engine("streams", after_batch, after_streams, self.stream_runs[-1][0]) + ", "
+              + CpuMeter.describe(cpu_streams_start, cpu_streams), flush=True)
+        print(f"  offline run {2 * number + 1}: {offline_after_streams}", flush=True)
 
 
 def path_ratios(offline_times: list[float], batch_times: list[float],

@@ -31,9 +31,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_stack import LocalStack  # noqa: E402
+from stack.local import LocalStack  # noqa: E402
 
-SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+STORIES_MODEL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"  # the tests ship it
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was", "Mom said",
            "A big red ball", "They went to the park", "The bird sang", "Ben had a toy"]
 FAULT_ENV = {"LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISIBILITY_TIMEOUT": "30", "LLMQ_LEASE_SECONDS": "8",
@@ -110,66 +110,83 @@ def get_json(client: httpx.Client, path: str, attempts: int = 30):
 
 
 def main() -> None:
+    args = _arguments()
+    home = tempfile.mkdtemp(prefix="llmq-soak-")  # kept when the run fails: the logs say why
+    env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", **FAULT_ENV}
+    model_dir = args.model or (STORIES_MODEL if STORIES_MODEL.is_dir() else None)
+    if model_dir is not None:
+        env["MODEL_PATH"] = str(model_dir)
+    print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
+    with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
+            httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        batch, lines, tally, seconds = _run_with_faults(stack, client, args)
+    if not _report(args, Path(home), batch, lines, tally, seconds):
+        print(f"FAILED: logs and database kept in {home}")
+        sys.exit(1)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
-                        help="model folder (default: ../shared/models/stories260k if present, else llmq's own)")
+                        help="model folder (default: the stories260k the tests ship, else llmq's own)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     parser.add_argument("--batch-lines", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kill-at", type=float, default=15.0, help="seconds in: SIGKILL a worker")
     parser.add_argument("--restart-redis-at", type=float, default=35.0, help="seconds in: restart Redis")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on the batch after this")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    home = tempfile.mkdtemp(prefix="llmq-soak-")  # kept when the run fails: the logs say why
-    env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", **FAULT_ENV}
-    model_dir = args.model or (SHARED_MODEL if SHARED_MODEL.is_dir() else None)
-    if model_dir is not None:
-        env["MODEL_PATH"] = str(model_dir)
-    print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
-    with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
-            httpx.Client(base_url=stack.base_url, timeout=120) as client:
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        tally, stop = Tally(), threading.Event()
-        started = time.monotonic()
-        batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
-        clients = [threading.Thread(target=stream_client, daemon=True,
-                                    args=(stack.base_url, model, args.max_tokens, stop, tally, n))
-                   for n in range(args.clients)]
-        for thread in clients:
-            thread.start()
-        faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
-        batch = {}
-        while time.monotonic() - started < args.timeout:
-            elapsed = time.monotonic() - started
-            while faults and elapsed >= faults[0][0]:
-                _, fault = faults.pop(0)
-                if fault == "kill":
-                    print(f"{elapsed:5.1f}s  SIGKILL worker w0; starting w2", flush=True)
-                    stack.kill_worker("w0", signal.SIGKILL)
-                    stack.start_worker("w2")
-                else:
-                    print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
-                    stack.restart_redis(down_s=2.0)
-            batch = get_json(client, f"/v1/batches/{batch_id}").json()
-            counts = batch["request_counts"]
-            print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
-                  f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
-                  flush=True)
-            if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
-                break
-            time.sleep(2)
-        stop.set()
-        for thread in clients:
-            thread.join(timeout=150)
-        seconds = time.monotonic() - started
-        lines = []
-        for key in ("output_file_id", "error_file_id"):
-            if batch.get(key):
-                text = get_json(client, f"/v1/files/{batch[key]}/content").text
-                lines += [json.loads(line) for line in text.splitlines()]
 
-    worker_logs = "".join(path.read_text(errors="replace") for path in Path(home).glob("worker-*.log"))
+def _run_with_faults(stack: LocalStack, client: httpx.Client, args) -> tuple[dict, list[dict], Tally, float]:
+    """The batch and the streaming clients, a worker killed and Redis restarted on the way; returns
+    the batch as last polled, its output and error lines, the clients' tally and the seconds taken."""
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    tally, stop = Tally(), threading.Event()
+    started = time.monotonic()
+    batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
+    clients = [threading.Thread(target=stream_client, daemon=True,
+                                args=(stack.base_url, model, args.max_tokens, stop, tally, n))
+               for n in range(args.clients)]
+    for thread in clients:
+        thread.start()
+    faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
+    batch = {}
+    while time.monotonic() - started < args.timeout:
+        elapsed = time.monotonic() - started
+        while faults and elapsed >= faults[0][0]:
+            _, fault = faults.pop(0)
+            if fault == "kill":
+                print(f"{elapsed:5.1f}s  SIGKILL worker w0; starting w2", flush=True)
+                stack.kill_worker("w0", signal.SIGKILL)
+                stack.start_worker("w2")
+            else:
+                print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
+                stack.restart_redis(down_s=2.0)
+        batch = get_json(client, f"/v1/batches/{batch_id}").json()
+        counts = batch["request_counts"]
+        print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
+              f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
+              flush=True)
+        if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
+            break
+        time.sleep(2)
+    stop.set()
+    for thread in clients:
+        thread.join(timeout=150)
+    seconds = time.monotonic() - started
+    lines = []
+    for key in ("output_file_id", "error_file_id"):
+        if batch.get(key):
+            text = get_json(client, f"/v1/files/{batch[key]}/content").text
+            lines += [json.loads(line) for line in text.splitlines()]
+    return batch, lines, tally, seconds
+
+
+def _report(args, home: Path, batch: dict, lines: list[dict], tally: Tally, seconds: float) -> bool:
+    """Print the soak's table and its JSON; True when no line was lost or doubled and the batch completed."""
+    worker_logs = "".join(path.read_text(errors="replace") for path in home.glob("worker-*.log"))
     resumed = worker_logs.count("from its checkpoint")
     handed_over = worker_logs.count("waiting for it to finish or its lease to lapse")
     seen = Counter(line["custom_id"] for line in lines)
@@ -192,10 +209,7 @@ def main() -> None:
     print(json.dumps({"seconds": seconds, "served": tally.served, "errors": len(tally.errors), "ttft_ms_p50": p50,
                       "ttft_ms_p99": p99, "lost": lost, "duplicated": duplicated, "resumed": resumed,
                       "status": batch.get("status")}))
-    if lost or duplicated or batch.get("status") != "completed":
-        print(f"FAILED: logs and database kept in {home}")
-        sys.exit(1)
-    shutil.rmtree(home, ignore_errors=True)
+    return not lost and not duplicated and batch.get("status") == "completed"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ no engine running.
 Starts a private Redis and the web server (gunicorn, as the Procfile runs it; no worker) and creates
 the requests through POST /v1/requests. A writer process then stands in for a worker's engine loop:
 every --step-ms it stamps one delta event per request with the time and writes them as a worker
-writes a step (app.streams.write_events: one script call, published whole on llmq:steps). Each
+writes a step (llmq.streams.write_events: one script call, published whole on llmq:steps). Each
 client follows GET /v1/requests/{id}/events as service_throughput.py's do (one asyncio loop, bytes
 stamped as they arrive). Prints how long the writes took, the write -> client latency p50 / p90 /
 p99 (the floor under service_throughput.py's step -> SSE latency, which adds the engine's
@@ -28,10 +28,11 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.local_stack import LocalStack  # noqa: E402
-from app.streams import EventWrite, write_events  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir  # noqa: E402
 from benchmarks.service_throughput import follow_events, percentile, process_table, tree_cpu  # noqa: E402
+from llmq.events import DeltaEvent, DoneEvent, Usage  # noqa: E402
+from llmq.streams import EventWrite, write_events  # noqa: E402
+from stack.local import LocalStack  # noqa: E402
 
 
 def write_steps(redis_url: str, request_ids: list[str], steps: int, step_ms: float, start, write_ms,
@@ -48,9 +49,7 @@ def write_steps(redis_url: str, request_ids: list[str], steps: int, step_ms: flo
     for number in range(1, steps + 2):
         next_step = time.perf_counter() + step_ms / 1000
         now = time.time()
-        event = ({"type": "done", "usage": {}, "t": now} if number > steps else
-                 {"type": "delta", "index": 0, "text": " tok", "token_ids": [number], "logprobs": None,
-                  "finish_reason": None, "t": now})
+        event = DoneEvent(Usage(0, steps), now) if number > steps else DeltaEvent(0, " tok", (number,), t=now)
         write_events(client, [EventWrite(request_id, [event], number) for request_id in request_ids], 10_000)
         write_ms.append(1000 * (time.time() - now))
         time.sleep(max(0.0, next_step - time.perf_counter()))

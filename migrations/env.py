@@ -1,11 +1,11 @@
-"""Alembic environment: the database is DATABASE_URL (app.config), the schema is app.models."""
+"""Alembic environment: the database is DATABASE_URL (llmq.settings), the schema is llmq.store.models."""
 from logging.config import fileConfig
 
 from alembic import context
 
-from app.config import Settings
-from app.database import make_engine
-from app.models import Base
+from llmq.settings import Settings
+from llmq.store.database import make_engine
+from llmq.store.models import Base
 
 config = context.config
 if config.config_file_name is not None:

@@ -8,24 +8,20 @@ from pathlib import Path
 import pytest
 import redis
 
-from app.embedded_redis import start_redis_server, wait_for_redis
-from app.local_stack import free_port
+from llmq.embedded_redis import start_redis_server, wait_for_redis
+from llmq.events import DeltaEvent
+from stack.local import free_port
 
-# The workspace keeps shared fixtures next to the repository: <workspace>/main (this repo) and
-# <workspace>/shared/models/... A plain clone has no such sibling folder; tests that need it skip.
-SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 REPO = Path(__file__).resolve().parents[1]
+# Shipped with the tests (MIT; its LICENSE and SOURCE.md beside it), so every clone has it.
+STORIES_DIR = REPO / "tests" / "fixtures" / "stories260k"
 
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """Karpathy's stories260K (a tiny *trained* Llama, tied embeddings, GQA 8/4, head_dim 8) in
     Hugging Face format: config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
-    folder = SHARED_MODELS / "stories260k"
-    if not (folder / "config.json").is_file():
-        pytest.skip("../shared/models/stories260k not found: parity tests need the shared fixture model "
-                    "(present in the project's workspace and CI, not in a plain clone)")
-    return folder
+    return STORIES_DIR
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +47,9 @@ def redis_db(redis_url):
     client.close()
 
 
-def token_event(token_id: int) -> dict:
-    """A delta event of one token, as workers write them (app/streams.py)."""
-    return {"type": "delta", "index": 0, "text": f"t{token_id}", "token_ids": [token_id], "logprobs": None,
-            "finish_reason": None, "t": 0.0}
+def token_event(token_id: int) -> DeltaEvent:
+    """A delta event of one token, as workers write them (llmq/events.py)."""
+    return DeltaEvent(0, f"t{token_id}", (token_id,))
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +63,29 @@ def migrated_db(tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skip them, saying so, where torch sees none."""
+    """Every test gets its tier's marker (README: `pytest -m "not service"` is the fast loop), and
+    tests marked `gpu` skip, saying so, where torch sees no CUDA device."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu); torch sees none here")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason="needs a CUDA device (marked gpu); torch sees none here")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("gpu") is not None:
+            if skip_gpu is not None:
+                item.add_marker(skip_gpu)
+            continue
+        if not any(item.get_closest_marker(tier) for tier in TIERS):  # a test may name its own
+            item.add_marker(_tier(Path(str(item.fspath)).relative_to(REPO / "tests")))
+
+
+def _tier(path: Path) -> pytest.MarkDecorator:
+    if path.parts[0] == "service":
+        return pytest.mark.service
+    if path.name in PARITY_MODULES:
+        return pytest.mark.parity
+    return pytest.mark.unit
+
+
+TIERS = ("unit", "parity", "service")
+# Compare llmq with Hugging Face transformers on real weights.
+PARITY_MODULES = {"test_parity.py"}

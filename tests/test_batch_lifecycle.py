@@ -7,12 +7,20 @@ import shutil
 
 import pytest
 
-from app.database import Database
-from app.models import Batch, BatchItem, File
-from workers import batch_lifecycle
+from llmq.model.model_config import ModelConfig
+from llmq.model.tokenizer import Tokenizer
+from llmq.protocol.prepare import ServedModel
+from llmq.store import batch_lifecycle
+from llmq.store.database import Database
+from llmq.store.models import Batch, BatchItem, File
+from tests.conftest import STORIES_DIR
 
 LINES = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
           "body": {"model": "m", "prompt": f"prompt {i}", "max_tokens": 4}} for i in range(5)]
+
+
+SERVED = ServedModel.of("m", ModelConfig.from_folder(STORIES_DIR), max_num_seqs=16)
+TOKENIZER = Tokenizer.from_folder(STORIES_DIR)
 
 
 @pytest.fixture()
@@ -33,7 +41,7 @@ def batch_id(db) -> str:
                       expires_at=1000.0)
         session.add(batch)
         session.flush()
-        assert len(batch_lifecycle.expand_input(session, batch, "m", max_lines=100)) == 5
+        assert len(batch_lifecycle.expand_input(session, batch, SERVED, TOKENIZER, max_lines=100)) == 5
         return batch.id
 
 
@@ -103,12 +111,12 @@ def test_lines_over_the_creating_keys_max_tokens_are_error_lines(db, batch_id):
         batch = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_tokens_limit=3)
         session.add(batch)
         session.flush()
-        assert batch_lifecycle.expand_input(session, batch, "m", max_lines=100) == []
+        assert batch_lifecycle.expand_input(session, batch, SERVED, TOKENIZER, max_lines=100) == []
         strict_id = batch.id
         roomy = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_tokens_limit=4)
         session.add(roomy)
         session.flush()
-        assert len(batch_lifecycle.expand_input(session, roomy, "m", max_lines=100)) == 5
+        assert len(batch_lifecycle.expand_input(session, roomy, SERVED, TOKENIZER, max_lines=100)) == 5
     errors = [json.loads(item.result)["error"] for item in items(db, strict_id)]
     assert [e["code"] for e in errors] == ["invalid_request"] * 5
     assert all("max_tokens is 4" in e["message"] and "at most 3" in e["message"] for e in errors)

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from workers.batch_runner import run_batch_file
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
-from workers.engine.llm import LLM
+from llmq.batch_runner import run_batch_file
+from llmq.engine.config import EngineConfig
+from llmq.engine.llm import LLM, LLMEngine
+from llmq.sampling_params import SamplingParams
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was",
            "Mom said", "A big red ball", "They went to the park", "The bird sang", "Ben had a toy",

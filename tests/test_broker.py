@@ -4,7 +4,7 @@ import threading
 
 from kombu import Connection, Exchange, Queue
 
-from app.broker import Transport
+from llmq.broker import Transport
 
 
 def test_the_channel_builds_one_client_per_pool(redis_db, redis_url):

@@ -4,12 +4,14 @@ import os
 import subprocess
 import sys
 
-from workers.engine import SamplingParams
-from workers.engine.llm import LLM
+import pytest
+
+from llmq.engine.llm import LLM
+from llmq.sampling_params import SamplingParams
 
 
 def _llmq(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "stack.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -28,6 +30,7 @@ def test_bad_model_folder_is_a_clear_error(tmp_path):
     assert "config.json" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.service  # the whole service: Redis, a Celery worker, the web server
 def test_demo_runs_a_bulk_job_through_the_service(tmp_path):
     """`llmq demo`: Redis, SQLite, a Celery worker and HTTP, on the default model the project makes."""
     env = {"LLMQ_HOME": str(tmp_path), "MODEL_PATH": "", "REDIS_URL": "", "DATABASE_URL": ""}
@@ -51,6 +54,7 @@ def test_offline_demo(tmp_path):
     assert len(rows) == 20
 
 
+@pytest.mark.service
 def test_demo_on_an_install_with_api_keys_uses_a_key_of_its_own(tmp_path):
     """Once keys exist the service answers only key holders: the demo makes itself one, and revokes it."""
     env = {"LLMQ_HOME": str(tmp_path), "MODEL_PATH": "", "REDIS_URL": "", "DATABASE_URL": ""}

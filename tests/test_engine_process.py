@@ -16,25 +16,27 @@ from pathlib import Path
 import pytest
 import redis
 
-from app.streams import read_progress
-from workers.engine.config import InvalidRequest, SamplingParams
+from llmq.engine.config import EngineConfig
+from llmq.errors import InvalidRequest
+from llmq.sampling_params import SamplingParams
+from llmq.streams import read_progress
 from workers.engine_process import EngineOptions, EngineProcess
+from workers.messages import EngineRequest
 from workers.publisher import StreamPublisher
 from workers.service import EngineService, load_and_warm
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_OPTIONS = {"max_num_seqs": 8}
+
 
 
 def options(stories_dir: Path, redis_url: str) -> EngineOptions:
-    return EngineOptions(str(stories_dir), ENGINE_OPTIONS, redis_url, redis_retry_seconds=5, stream_maxlen=1000,
-                         stream_ttl=60)
+    return EngineOptions(EngineConfig(str(stories_dir), max_num_seqs=8), redis_url, redis_retry_seconds=5,
+                         stream_maxlen=1000, stream_ttl=60)
 
 
 @pytest.fixture(scope="module")
 def engine_process(stories_dir, redis_url):
-    client = redis.Redis.from_url(redis_url)
-    process = EngineProcess(options(stories_dir, redis_url), StreamPublisher(client, 1000, 60))
+    process = EngineProcess(options(stories_dir, redis_url))
     process.start()
     yield process
     process.stop()
@@ -44,13 +46,15 @@ def test_a_request_through_the_pipe_equals_the_in_process_service_and_its_stream
                                                                               redis_url):
     client = redis.Redis.from_url(redis_url)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    in_process = EngineService(lambda: load_and_warm(str(stories_dir), ENGINE_OPTIONS), StreamPublisher(client, 1000, 60))
+    in_process = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), max_num_seqs=8)),
+                               StreamPublisher(client, 1000, 60))
     in_process.start()
+    prompts = [engine_process.tokenizer.encode(text) for text in ("Once upon a time", "The cat")]
     try:
-        expected = in_process.run("local-1", ["Once upon a time", "The cat"], params)
+        expected = in_process.run(EngineRequest("local-1", prompts, params))
     finally:
         in_process.stop()
-    job = engine_process.run("piped-1", ["Once upon a time", "The cat"], params)
+    job = engine_process.run(EngineRequest("piped-1", prompts, params))
     assert [[o.text for o in outs] for outs in job.outputs] == [[o.text for o in outs] for outs in expected.outputs]
     assert job.prompt_token_ids == expected.prompt_token_ids and job.completion_tokens == 24
     assert job.first_token_at is not None
@@ -67,16 +71,18 @@ def test_a_request_through_the_pipe_equals_the_in_process_service_and_its_stream
 def test_a_refusal_comes_back_as_the_same_error(engine_process):
     too_long = SamplingParams(temperature=0, max_tokens=10_000)
     with pytest.raises(InvalidRequest) as refused:
-        engine_process.run("too-long", ["Once upon a time"], too_long)
-    assert refused.value.param == "max_tokens"
-    assert engine_process.run("after-it", ["Hi"], SamplingParams(temperature=0, max_tokens=2)).completion_tokens == 2
+        engine_process.run(EngineRequest("too-long", [engine_process.tokenizer.encode("Once upon a time")], too_long))
+    assert refused.value.param == "max_tokens" and refused.value.code == "invalid_request"
+    after = EngineRequest("after-it", [engine_process.tokenizer.encode("Hi")], SamplingParams(temperature=0, max_tokens=2))
+    assert engine_process.run(after).completion_tokens == 2
 
 
 def test_a_cancel_reaches_the_engine_process(engine_process, redis_url):
     client = redis.Redis.from_url(redis_url)
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     ended = []
-    runner = threading.Thread(target=lambda: ended.append(engine_process.run("long", ["Once upon a time"], params)))
+    request = EngineRequest("long", [engine_process.tokenizer.encode("Once upon a time")], params)
+    runner = threading.Thread(target=lambda: ended.append(engine_process.run(request)))
     runner.start()
     deadline = time.monotonic() + 10
     while not read_progress(client, "long").num_tokens and time.monotonic() < deadline:  # it is generating
@@ -90,12 +96,11 @@ def test_a_cancel_reaches_the_engine_process(engine_process, redis_url):
 # A worker stand-in: starts an engine process, prints its pid, then waits to be killed, or ("exit")
 # returns from its main module without stopping it.
 PARENT = textwrap.dedent("""
-    import json, sys, time, redis
+    import json, sys, time
+    from llmq.engine.config import EngineConfig
     from workers.engine_process import EngineOptions, EngineProcess
-    from workers.publisher import StreamPublisher
     url = sys.argv[2]
-    process = EngineProcess(EngineOptions(sys.argv[1], {"max_num_seqs": 4}, url, 5, 1000, 60),
-                            StreamPublisher(redis.Redis.from_url(url), 1000, 60))
+    process = EngineProcess(EngineOptions(EngineConfig(sys.argv[1], max_num_seqs=4), url, 5, 1000, 60))
     process.start()
     print(json.dumps({"engine": process._process.pid}), flush=True)
     if sys.argv[3] != "exit":

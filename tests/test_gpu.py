@@ -5,8 +5,9 @@ checked for running cleanly and freeing its blocks."""
 import pytest
 import torch
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
-from workers.engine.llm import LLM
+from llmq.engine.config import EngineConfig
+from llmq.engine.llm import LLM, LLMEngine
+from llmq.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from app.streams import lease_key
+from llmq.events import lease_key
 from workers.leases import Leases
 
 

@@ -1,4 +1,4 @@
-"""The Alembic migrations: one head, and `upgrade head` builds exactly the schema app.models declares
+"""The Alembic migrations: one head, and `upgrade head` builds exactly the schema llmq.store.models declares
 (autogenerate finds nothing to add), and the whole history runs down and up again."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect
 
-from app.models import Base
+from llmq.store.models import Base
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,9 +3,15 @@ import json
 
 import pytest
 
-from workers.engine.config import InvalidRequest
-from workers.openai_protocol import (BatchLineError, batch_error_line, batch_output_line, parse_batch_line,
-                                     parse_chat_request, parse_completion_request)
+from llmq.errors import InvalidRequest
+from llmq.protocol.openai import (
+    BatchLineError,
+    batch_error_line,
+    batch_output_line,
+    parse_batch_line,
+    parse_chat_request,
+    parse_completion_request,
+)
 
 
 def test_defaults_follow_openai():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import Settings
+from llmq.settings import Settings
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -7,17 +7,19 @@ from __future__ import annotations
 import pytest
 import redis
 
-from app.streams import stream_key
+from llmq.events import DoneEvent, Usage, stream_key
+from llmq.sampling_params import SamplingParams
 from tests.conftest import token_event
-from workers.job import EngineFailure, Job
+from workers.job import Job
+from workers.messages import EngineFailure, EngineRequest
 from workers.publisher import StreamPublisher
 from workers.step_writer import StepEvents, StepWriter
 
-DONE = {"type": "done", "usage": {}, "t": 0.0}
+DONE = DoneEvent(Usage(0, 0))
 
 
 def job(request_id: str) -> Job:
-    return Job(request_id, prompts=["p"], params=None)
+    return Job(EngineRequest(request_id, prompts=[[1]], params=SamplingParams()))
 
 
 def event_ids(redis_db, request_id: str) -> list[str]:
@@ -31,9 +33,9 @@ def test_steps_are_written_in_order_and_a_job_wakes_after_its_end_is_written(red
     for step in range(1, 4):
         writer.submit(StepEvents({"w1": (step, [token_event(step)]), "w2": (step, [token_event(step)])}))
     writer.submit(StepEvents({"w1": (4, [DONE])}, finished=[finishing]))
-    assert finishing.done.wait(10)
+    assert finishing.outcome.done(10)
     assert event_ids(redis_db, "w1") == ["0-1", "0-2", "0-3", "0-4"]  # the end is there when it wakes
-    assert finishing.error is None
+    assert finishing.outcome.error is None
     writer.flush()
     assert event_ids(redis_db, "w2") == ["0-1", "0-2", "0-3"]
     assert redis_db.ttl(stream_key("w1")) > 0 and redis_db.ttl(stream_key("w2")) == -1  # only the finished expires
@@ -47,12 +49,12 @@ def test_after_a_failed_write_nothing_is_written_until_the_failure_is_cleared(re
     writer = StepWriter(publisher, background)
     first, second = job("f1"), job("f2")
     writer.submit(StepEvents({"f1": (1, [token_event(1)])}, finished=[first]))
-    assert first.done.wait(10)
-    assert isinstance(first.error, EngineFailure) and writer.failure() is not None
+    assert first.outcome.done(10)
+    assert isinstance(first.outcome.error, EngineFailure) and writer.failure() is not None
     publisher.client = redis_db  # Redis is back, but the loop has not ended the requests in flight yet
     writer.submit(StepEvents({"f2": (2, [token_event(2)])}, finished=[second]))
     writer.flush()
-    assert isinstance(second.error, EngineFailure) and event_ids(redis_db, "f2") == []  # "0-1" was never written
+    assert isinstance(second.outcome.error, EngineFailure) and event_ids(redis_db, "f2") == []  # "0-1" was never written
     writer.clear_failure()
     writer.submit(StepEvents({"f3": (1, [token_event(1)])}))
     writer.flush()

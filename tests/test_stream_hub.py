@@ -7,16 +7,17 @@ import threading
 import time
 
 import pytest
-from app.stream_hub import StreamHub, _Reader
-import orjson
 
-from app.streams import STEPS_CHANNEL, EventWrite, stream_key, write_events
+from app.stream_hub import StreamHub, _Reader
+from llmq import events
+from llmq.events import STEPS_CHANNEL, DoneEvent, Usage, stream_key
+from llmq.streams import EventWrite, write_events
 from tests.conftest import token_event
 
 MAXLEN = 1000
 
 
-DONE = {"type": "done", "usage": {}, "t": 0.0}
+DONE = DoneEvent(Usage(0, 0))
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +68,7 @@ def test_events_before_and_after_joining_arrive_in_order_once(redis_db):
     write(redis_db, "a", 5, [DONE])
     reader.join(10)
     assert [entry_id for entry_id, _ in got] == ["0-1", "0-2", "0-3", "0-4", "0-5"]
-    assert [event.get("token_ids") for _, event in got] == [[1], [2], [3], [4], None]
+    assert [getattr(event, "token_ids", None) for _, event in got] == [(1,), (2,), (3,), (4,), None]
 
 
 def test_readers_at_different_positions_each_get_their_own_rest(redis_db):
@@ -94,7 +95,7 @@ def test_many_readers_share_one_subscription(redis_db):
     write_events(redis_db, [EventWrite(request_id, [DONE], first_number=4) for request_id in results], MAXLEN)
     for reader in readers:
         reader.join(10)
-    assert all([e.get("token_ids") for _, e in out] == [[1], [2], [3], None] for out in results.values())
+    assert all([getattr(e, "token_ids", None) for _, e in out] == [(1,), (2,), (3,), None] for out in results.values())
 
 
 def test_a_new_reader_wakes_the_hub_instead_of_waiting_out_its_block(redis_db):
@@ -106,11 +107,11 @@ def test_a_new_reader_wakes_the_hub_instead_of_waiting_out_its_block(redis_db):
     started = time.monotonic()
     readers.append(collect(hub, "c2", second))
     readers[1].join(10)
-    assert [e["type"] for _, e in second] == ["delta", "done"]
+    assert [e.type for _, e in second] == ["delta", "done"]
     assert time.monotonic() - started < 10, "the second reader waited for the first reader's block to end"
     write(redis_db, "c1", 1, [DONE])
     readers[0].join(10)
-    assert [e["type"] for _, e in first] == ["done"]
+    assert [e.type for _, e in first] == ["done"]
 
 
 def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(redis_db, monkeypatch):
@@ -123,7 +124,7 @@ def test_idle_readers_hear_heartbeats_and_the_thread_ends_when_no_one_reads(redi
         time.sleep(0.05)
     assert hub._thread is None
     write(redis_db, "later", 1, [DONE])  # a reader after that starts a thread again
-    assert [e["type"] for _, e in hub.read_events("later") if e is not None] == ["done"]
+    assert [e.type for _, e in hub.read_events("later") if e is not None] == ["done"]
 
 
 def test_an_event_missed_on_the_channel_is_read_from_the_stream(redis_db):
@@ -134,7 +135,7 @@ def test_an_event_missed_on_the_channel_is_read_from_the_stream(redis_db):
     got = []
     reader = collect(hub, "e", got)
     wait_for(lambda: len(got) == 1)
-    redis_db.xadd(stream_key("e"), {"data": orjson.dumps(token_event(2))}, id="0-2")
+    redis_db.xadd(stream_key("e"), {"data": events.encode(token_event(2))}, id="0-2")
     write(redis_db, "e", 3, [token_event(3), DONE])
     reader.join(10)
     assert [entry_id for entry_id, _ in got] == ["0-1", "0-2", "0-3", "0-4"]
@@ -162,11 +163,12 @@ def test_a_step_goes_to_the_readers_it_continues_and_the_others_read_their_strea
     at_7.caught_up = at_5.caught_up = True
     hub._readers[key] = {at_7, at_5, joined}
     handed = {}
-    hub._route([[key, 8, {"n": 8}], [key, 9, {"n": 9}], [stream_key("other"), 1, {}]], handed)
-    assert handed == {at_7: [("0-8", {"n": 8}), ("0-9", {"n": 9})]}
+    eighth, ninth = events.to_dict(token_event(8)), events.to_dict(token_event(9))
+    hub._route([[key, 8, eighth], [key, 9, ninth], [stream_key("other"), 1, eighth]], handed)
+    assert handed == {at_7: [("0-8", token_event(8)), ("0-9", token_event(9))]}
     assert (at_7.last_id, at_7.caught_up) == ("0-9", True)
     assert (at_5.last_id, at_5.caught_up) == ("0-5", False)
     assert (joined.last_id, joined.caught_up) == ("0-7", False)
     handed = {}
-    hub._route([[key, 9, {"n": 9}]], handed)  # a repeat of what it has
+    hub._route([[key, 9, ninth]], handed)  # a repeat of what it has
     assert handed == {} and at_7.caught_up

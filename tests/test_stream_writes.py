@@ -1,4 +1,4 @@
-"""The token stream writes of app/streams.py on a real Redis: numbered, idempotent, published once."""
+"""The token stream writes of llmq/streams.py on a real Redis: numbered, idempotent, published once."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,8 @@ import time
 import pytest
 import redis
 
-from app.streams import EventWrite, publish_events, stream_key, tokens_channel, write_events
+from llmq.events import DoneEvent, Usage, stream_key, tokens_channel
+from llmq.streams import EventWrite, publish_events, write_events
 from tests.conftest import token_event
 
 MAXLEN = 1000
@@ -44,7 +45,7 @@ def test_events_are_numbered_and_a_repeated_write_lands_once(redis_db):
 
 def test_number_zero_appends_after_the_last_event(redis_db):
     write_events(redis_db, [EventWrite("b", [token_event(1), token_event(2)], first_number=1)], MAXLEN)
-    publish_events(redis_db, "b", [{"type": "done", "usage": {}, "t": 0.0}], MAXLEN, ttl=60)
+    publish_events(redis_db, "b", [DoneEvent(Usage(0, 0))], MAXLEN, ttl=60)
     assert [entry_id for entry_id, _ in entries(redis_db, "b")] == ["0-1", "0-2", "0-3"]
     assert 0 < redis_db.ttl(stream_key("b")) <= 60
     assert [json.loads(data)["type"] for _, data in entries(redis_db, "b")] == ["delta", "delta", "done"]
@@ -65,7 +66,7 @@ def test_a_key_that_is_not_a_stream_is_an_error_not_a_skipped_write(redis_db):
 def test_one_call_writes_each_request_at_its_own_number_and_ttl(redis_db):
     write_events(redis_db, [EventWrite("y", [token_event(1)], first_number=1)], MAXLEN)
     write_events(redis_db, [EventWrite("x", [token_event(1), token_event(2)], first_number=1),
-                          EventWrite("y", [token_event(2), {"type": "done", "usage": {}, "t": 0.0}], ttl=60),
+                          EventWrite("y", [token_event(2), DoneEvent(Usage(0, 0))], ttl=60),
                           EventWrite("z", [token_event(7)], first_number=7)], MAXLEN)
     assert [entry_id for entry_id, _ in entries(redis_db, "x")] == ["0-1", "0-2"]
     assert [entry_id for entry_id, _ in entries(redis_db, "y")] == ["0-1", "0-2", "0-3"]

@@ -10,10 +10,10 @@ import pytest
 import redis
 
 from app import create_app
-from app.config import Settings, queue_name
-from app.models import Batch, File, Request
-from app.streams import lease_key
-from workers import batch_lifecycle
+from llmq.events import lease_key
+from llmq.settings import Settings, queue_name
+from llmq.store import batch_lifecycle
+from llmq.store.models import Batch, File, Request
 from workers.sweeper import Sweeper
 
 MODEL = "m"
@@ -31,13 +31,13 @@ def app(tmp_path, redis_url, migrated_db):
 
 @pytest.fixture()
 def sweeper(app) -> Sweeper:
-    return Sweeper(app.extensions["llmq_db"], app.extensions["llmq_redis"], app.extensions["celery"], VISIBILITY,
+    return Sweeper(app.extensions["llmq"].db, app.extensions["llmq"].redis, app.extensions["llmq"].celery, VISIBILITY,
                    stream_ttl=60)
 
 
 def queued_messages(app) -> list[tuple[str, list]]:
     """(task name, args) of every message waiting in the model's queue, all priority levels."""
-    client = app.extensions["llmq_redis"]
+    client = app.extensions["llmq"].redis
     found = []
     for key in client.keys(queue_name(MODEL) + "*"):
         for raw in client.lrange(key, 0, -1):
@@ -49,19 +49,19 @@ def queued_messages(app) -> list[tuple[str, list]]:
 def make_batch(app, lines: int, expires_at: float = 1e12) -> tuple[str, list[int]]:
     content = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                                     "body": {"prompt": "p", "max_tokens": 2}}) for i in range(lines)).encode()
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         file = File(filename="in.jsonl", purpose="batch", bytes=len(content), content=content)
         session.add(file)
         session.flush()
         batch = Batch(endpoint="/v1/completions", model=MODEL, input_file_id=file.id, expires_at=expires_at)
         session.add(batch)
         session.flush()
-        return batch.id, batch_lifecycle.expand_input(session, batch, MODEL, max_lines=100)
+        return batch.id, batch_lifecycle.expand_input(session, batch, app.extensions["llmq"].model, app.extensions["llmq"].tokenizer, max_lines=100)
 
 
 def test_lost_batch_lines_are_sent_again_after_the_visibility_timeout(app, sweeper):
     _, (pending, running, leased) = make_batch(app, 3)
-    db, client = app.extensions["llmq_db"], app.extensions["llmq_redis"]
+    db, client = app.extensions["llmq"].db, app.extensions["llmq"].redis
     with db.session() as session:
         batch_lifecycle.claim_item(session, running, "cmpl-dead-worker")
         batch_lifecycle.claim_item(session, leased, "cmpl-live-worker")
@@ -80,14 +80,14 @@ def test_lost_batch_lines_are_sent_again_after_the_visibility_timeout(app, sweep
 
 def test_nothing_is_sent_while_the_queue_has_work(app, sweeper):
     _, (item,) = make_batch(app, 1)
-    app.extensions["celery"].send_task("llmq.run_batch_item", args=[item], queue=queue_name(MODEL))
+    app.extensions["llmq"].celery.send_task("llmq.run_batch_item", args=[item], queue=queue_name(MODEL))
     assert sweeper.sweep(now=0.0).resent == []
     assert sweeper.sweep(now=10 * VISIBILITY).resent == []
     assert len(queued_messages(app)) == 1
 
 
 def test_a_lost_api_request_is_sent_again_and_a_finished_one_is_not(app, sweeper):
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         session.add(Request(id="cmpl-lost", model=MODEL, body={"prompt": "p"}, status="queued"))
         session.add(Request(id="cmpl-done", model=MODEL, body={"prompt": "p"}, status="completed"))
     sweeper.sweep(now=0.0)
@@ -99,6 +99,6 @@ def test_the_sweep_expires_batches_past_their_window(app, sweeper):
     batch_id, _ = make_batch(app, 2, expires_at=50.0)
     assert sweeper.sweep(now=49.0).expired_batches == []
     assert sweeper.sweep(now=50.0).expired_batches == [batch_id]
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         assert session.get(Batch, batch_id).status == "expired"
     assert sweeper.sweep(now=50.0 + 2 * VISIBILITY).resent == [], "an expired batch's lines are not sent again"

@@ -1,9 +1,10 @@
-"""The Celery app bound to the Flask app (`celery -A workers.celery_app worker`), and the worker's
-start hooks: the engine is loaded and warmed when the worker starts, before it consumes a task.
+"""The workers' Celery app (`celery -A workers.celery_app worker`), and the worker's start hooks:
+the engine is loaded and warmed when the worker starts, before it consumes a task.
 
-The threads pool runs tasks in this process, so every task thread shares the one EngineService;
+The threads pool runs tasks in this process, so every task thread shares the one engine client;
 `worker_init` fires in this process before the consumer starts (`worker_process_init` would not:
-it belongs to the prefork pool).
+it belongs to the prefork pool). It builds the WorkerRuntime the tasks are handed
+(`celery_app.runtime`, read by workers.tasks through its task class).
 
 A SIGTERM (Celery's warm shutdown; what a spot preemption notice becomes) stops the consumer, and
 `worker_shutting_down` hands every request in flight back at once: their tokens are checkpointed in
@@ -13,23 +14,34 @@ the process exits when the grace period ends, and the broker redelivers its task
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-import time
 from functools import partial
 
-import redis
+from celery import Celery
 from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 
-from app import create_app
-from app.streams import CANCEL_CHANNEL, SWEEP_LOCK_KEY, WORKERS_KEY
+from llmq.bootstrap import bootstrap
+from llmq.celery_config import celery_config
+from llmq.model.model_config import ModelConfig
+from llmq.protocol.prepare import ServedModel
+from llmq.redis_client import redis_client
+from llmq.store.database import Database
+from workers import background
+from workers.leases import Leases
+from workers.publisher import StreamPublisher
+from workers.runtime import WorkerRuntime
 
-flask_app = create_app()
-celery_app = flask_app.extensions["celery"]
-settings = flask_app.config["LLMQ"]
+# llmq's own loggers (the engine's memory budget, resumed requests, the loop's progress) at INFO:
+# Celery leaves the root logger alone (worker_hijack_root_logger is off), and the engine process
+# logs at the level found here.
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+settings = bootstrap()
+celery_app = Celery("llmq")
+celery_app.config_from_object(celery_config(settings))
 celery_app.conf.update(worker_pool="threads", worker_concurrency=settings.worker_threads or settings.max_num_seqs)
+celery_app.runtime = None  # a WorkerRuntime once the worker has started (start_engine)
 
 import workers.tasks  # noqa: E402,F401  (registers the tasks)
 
@@ -39,49 +51,51 @@ _stop = threading.Event()
 
 @worker_init.connect
 def start_engine(sender=None, **_):
-    """Load the model, warm it up, and start the engine loop, heartbeats and cancel listener."""
-    from workers.publisher import StreamPublisher
-    from workers.service import install
-
-    model_path = settings.resolved_model_path()
-    client = flask_app.extensions["llmq_redis"]
+    """Load the model, warm it up, and start the engine loop, heartbeats, sweeper and cancel listener."""
+    client = redis_client(settings.redis_url, settings.redis_retry_seconds)
     publisher = StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl)
+    try:
+        engine = _engine_client(publisher)
+        engine.start()
+    except Exception:
+        # Celery logs what a worker_init handler raises and starts consuming anyway: a worker with no
+        # engine would take tasks it cannot run. SystemExit is not caught there: the worker exits.
+        log.critical("the engine could not start (above); this worker exits", exc_info=True)
+        raise SystemExit(1) from None
+    name = getattr(sender, "hostname", None) or "worker"
+    runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
+                            publisher=publisher, engine=engine,
+                            model=ServedModel.of(settings.resolved_model_name(),
+                                                 ModelConfig.from_folder(settings.model_path), settings.max_num_seqs),
+                            leases=Leases(client, name, settings.lease_seconds), name=name)
+    celery_app.runtime = runtime
+    background.start(runtime, celery_app, _stop)
+    log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), settings.model_path)
+
+
+def _engine_client(publisher: StreamPublisher):
+    """The engine in a process of its own (the default), or in this one (LLMQ_ENGINE_PROCESS=0)."""
     if settings.engine_process:
         from workers.engine_process import EngineOptions, EngineProcess
 
-        service = EngineProcess(EngineOptions(
-            str(model_path), settings.engine_options(), settings.resolved_redis_url(), settings.redis_retry_seconds,
-            settings.stream_maxlen, settings.stream_ttl, settings.resolved_engine_nice(), settings.resolved_background_stream_writes(),
-            logging.getLogger().getEffectiveLevel()), publisher)
-    else:
-        from workers.service import EngineService, load_and_warm
+        return EngineProcess(EngineOptions(
+            settings.engine_config(), settings.redis_url, settings.redis_retry_seconds, settings.stream_maxlen,
+            settings.stream_ttl, settings.resolved_engine_nice(), settings.resolved_background_stream_writes(),
+            logging.getLogger().getEffectiveLevel()))
+    from workers.service import EngineService, load_and_warm
 
-        service = EngineService(partial(load_and_warm, str(model_path), settings.engine_options()), publisher,
-                                nice=settings.resolved_engine_nice(),
-                                background_writes=settings.resolved_background_stream_writes())
-    service.start()
-    install(service)
-    from workers.leases import Leases
-
-    name = getattr(sender, "hostname", None) or "worker"
-    leases = flask_app.extensions["llmq_leases"] = Leases(client, name, settings.lease_seconds)
-    threading.Thread(target=_heartbeats, args=(client, service, name, leases), daemon=True,
-                     name="llmq-heartbeat").start()
-    threading.Thread(target=_sweep, args=(client,), daemon=True, name="llmq-sweeper").start()
-    threading.Thread(target=_listen_for_cancels, args=(client, service), daemon=True, name="llmq-cancels").start()
-    log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), model_path)
+    return EngineService(partial(load_and_warm, settings.engine_config()), publisher,
+                         nice=settings.resolved_engine_nice(),
+                         background_writes=settings.resolved_background_stream_writes())
 
 
 @worker_shutting_down.connect
 def hand_back_work(sig=None, **_):
     """SIGTERM or SIGINT: hand every request in flight back to the queue, within the grace period."""
-    from workers.service import current_service
-
     log.warning("worker stopping (%s): handing its requests back to the queue", sig)
-    try:
-        current_service().hand_back()
-    except RuntimeError:  # stopped before the engine was up
+    if celery_app.runtime is None:  # stopped before the engine was up
         return
+    celery_app.runtime.engine.hand_back()
     grace = settings.shutdown_grace_seconds
     watchdog = threading.Timer(grace, _exit_after_grace, args=(grace,))
     watchdog.daemon = True
@@ -97,53 +111,5 @@ def _exit_after_grace(grace: float) -> None:
 @worker_shutdown.connect
 def stop_engine(**_):
     _stop.set()
-    from workers.service import current_service
-
-    try:
-        current_service().stop()
-    except RuntimeError:
-        pass
-
-
-def _heartbeats(client: redis.Redis, service, name: str, leases) -> None:
-    while not _stop.wait(settings.heartbeat_seconds):
-        beat = {"model": settings.resolved_model_name(), "at": time.time(), **service.stats()}
-        try:
-            client.hset(WORKERS_KEY, name, json.dumps(beat))
-            for request_id in leases.renew_all():
-                service.hand_back(request_id)
-        except redis.RedisError as err:
-            log.warning("heartbeat failed: %s", err)
-    try:
-        client.hdel(WORKERS_KEY, name)
-    except redis.RedisError:
-        pass
-
-
-def _listen_for_cancels(client: redis.Redis, service) -> None:
-    while not _stop.is_set():
-        try:
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(CANCEL_CHANNEL)
-            while not _stop.is_set():
-                message = pubsub.get_message(timeout=1.0)
-                if message and message["type"] == "message":
-                    request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                    service.cancel(request_id)
-        except redis.RedisError as err:  # Redis restarted: subscribe again
-            log.warning("cancel listener lost Redis (%s); reconnecting", err)
-            time.sleep(1)
-
-
-def _sweep(client: redis.Redis) -> None:
-    """Every sweep_seconds, one worker (whoever takes the lock) runs the sweep (workers/sweeper.py)."""
-    from workers.sweeper import Sweeper
-
-    sweeper = Sweeper(flask_app.extensions["llmq_db"], client, celery_app, settings.visibility_timeout,
-                      settings.stream_ttl)
-    while not _stop.wait(settings.sweep_seconds):
-        try:
-            if client.set(SWEEP_LOCK_KEY, "1", nx=True, ex=max(1, settings.sweep_seconds)):
-                sweeper.sweep(time.time())
-        except Exception:  # the next sweep tries again
-            log.exception("sweep failed")
+    if celery_app.runtime is not None:
+        celery_app.runtime.engine.stop()

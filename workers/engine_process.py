@@ -5,8 +5,8 @@ else the worker does: the consumer, a hundred task threads writing results throu
 heartbeats. Every torch call the loop makes gives the lock up and must take it back, so each
 millisecond of their Python was a millisecond the loop could wait, and steps ran 5-15 % slower than
 the same engine offline. Here the loop runs in a child process with one other thread, which waits on
-a pipe; the worker's task threads talk to it through the same methods as an EngineService (`run`,
-`cancel`, `hand_back`, `stats`, `tokenizer`, `publisher`).
+a pipe; the worker's task threads talk to it through the same EngineClient methods as an EngineService
+(`run`, `cancel`, `hand_back`, `stats`, `tokenizer`); the pipe carries workers/messages.py's types.
 
 The child writes the token events to Redis itself (they never cross the pipe); only a job's start
 and its end (outputs, token ids, error) do. Its life is bound to the worker's:
@@ -32,13 +32,25 @@ import threading
 from dataclasses import dataclass
 from functools import partial
 
-from app import redis_client
-from app.streams import StreamProgress
-from workers.engine.config import InvalidRequest, SamplingParams
-from workers.job import EngineFailure, Job
-from workers.model.tokenizer import Tokenizer
+from llmq.engine.config import EngineConfig
+from llmq.model.tokenizer import Tokenizer
+from llmq.redis_client import redis_client
+from workers.job import Job, Outcome
+from workers.messages import (
+    AskStats,
+    Cancel,
+    EngineRequest,
+    EngineResult,
+    Finished,
+    HandBack,
+    LoadFailed,
+    Ready,
+    Run,
+    Stats,
+    Stop,
+)
 from workers.publisher import StreamPublisher
-from workers.service import EngineService, HandedBack, load_and_warm
+from workers.service import EngineService, load_and_warm
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +59,7 @@ log = logging.getLogger(__name__)
 class EngineOptions:
     """What the child needs to build its engine and publisher (it reads no settings of its own)."""
 
-    model_path: str
-    engine_options: dict
+    engine_config: EngineConfig
     redis_url: str
     redis_retry_seconds: float
     stream_maxlen: int
@@ -59,16 +70,15 @@ class EngineOptions:
 
 
 class EngineProcess:
-    def __init__(self, options: EngineOptions, publisher: StreamPublisher):
-        self.publisher = publisher  # the worker's own, for the events its task threads write
-        self.tokenizer = Tokenizer.from_folder(options.model_path)
+    def __init__(self, options: EngineOptions):
+        self.tokenizer = Tokenizer.from_folder(options.engine_config.model)
         self._context = multiprocessing.get_context("spawn")  # never fork a process that has threads
         self._conn, child_conn = self._context.Pipe()
         self._process = self._context.Process(target=_child_main, args=(child_conn, options, os.getpid()),
                                               name="llmq-engine", daemon=True)
         self._child_conn = child_conn
         self._send_lock = threading.Lock()
-        self._waiting: dict[int, Job] = {}
+        self._waiting: dict[int, Outcome] = {}
         self._run_numbers = itertools.count(1)
         self._stats: dict = {}
         self._stats_answered = threading.Condition()
@@ -79,15 +89,15 @@ class EngineProcess:
         self._process.start()
         self._child_conn.close()  # the child's end: once the child is gone, recv() here sees EOF
         try:
-            kind, payload = self._conn.recv()
+            message = self._conn.recv()
         except EOFError:  # it died without a word (a crash in native code, the OOM killer)
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while loading the model (code "
                                f"{self._process.exitcode}); see the log above") from None
-        if kind != "ready":
+        if isinstance(message, LoadFailed):
             self._process.join(5)
-            raise RuntimeError(f"the engine process could not load the model: {payload}")
-        self._stats = payload
+            raise RuntimeError(f"the engine process could not load the model: {message.reason}")
+        self._stats = message.stats
         # The child ignores SIGTERM, which multiprocessing's own exit handler would send it and then
         # wait: a worker that exits without stop() stops it first (atexit runs the latest first).
         atexit.register(self.stop)
@@ -99,58 +109,55 @@ class EngineProcess:
             return
         self._stopping = True
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except OSError:
             pass
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
 
-    def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None,
-            resume_from: StreamProgress | None = None, priority: int = 0) -> Job:
-        """As EngineService.run: returns the finished job; raises what the engine ended it with."""
-        job = Job(request_id, prompts, params, resume_from, priority)
+    def run(self, request: EngineRequest, timeout: float | None = None) -> EngineResult:
+        """As EngineService.run: returns the result; raises what the engine ended the request with."""
+        outcome = Outcome()
         number = next(self._run_numbers)
-        self._waiting[number] = job
+        self._waiting[number] = outcome
         try:
-            self._send(("run", number, request_id, prompts, params, resume_from, priority))
-            return job.result(timeout, self.cancel)
+            self._send(Run(number, request))
+            return outcome.wait(request.request_id, timeout, self.cancel)
         finally:
             self._waiting.pop(number, None)
 
     def cancel(self, request_id: str) -> None:
-        self._send(("cancel", request_id))
+        self._send(Cancel(request_id))
 
     def hand_back(self, request_id: str | None = None) -> None:
-        self._send(("hand_back", request_id))
+        self._send(HandBack(request_id))
 
     def stats(self, timeout: float = 5.0) -> dict:
         """The engine's load and the loop's totals (EngineService.stats), asked of the child now."""
         with self._stats_answered:
             before = self._stats
-            self._send(("stats",))
+            self._send(AskStats())
             self._stats_answered.wait_for(lambda: self._stats is not before, timeout)
             return dict(self._stats)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message) -> None:
         with self._send_lock:
             self._conn.send(message)
 
     def _receive(self) -> None:
         while True:
             try:
-                kind, *payload = self._conn.recv()
+                message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "done":
-                number, outputs, prompt_token_ids, first_token_at, error = payload
-                job = self._waiting.get(number)
-                if job is not None:
-                    job.outputs, job.prompt_token_ids, job.first_token_at = outputs, prompt_token_ids, first_token_at
-                    job.finish(_error_from(error))
-            elif kind == "stats":
+            if isinstance(message, Finished):
+                outcome = self._waiting.get(message.number)
+                if outcome is not None:
+                    outcome.set(message.result, message.error)
+            elif isinstance(message, Stats):
                 with self._stats_answered:
-                    self._stats = payload[0]
+                    self._stats = message.stats
                     self._stats_answered.notify_all()
         if self._stopping:
             return
@@ -161,24 +168,6 @@ class EngineProcess:
                      "redelivered", self._process.exitcode)
         logging.shutdown()
         os._exit(1)
-
-
-def _error_as_message(error: Exception | None) -> tuple | None:
-    """An error a job ended with, as plain data (exception classes' arguments do not all pickle back)."""
-    if error is None:
-        return None
-    return type(error).__name__, str(error), getattr(error, "param", None)
-
-
-def _error_from(message: tuple | None) -> Exception | None:
-    if message is None:
-        return None
-    kind, text, param = message
-    if kind == "InvalidRequest":
-        return InvalidRequest(text, param)
-    if kind == "HandedBack":
-        return HandedBack(text)
-    return EngineFailure(text)
 
 
 # ---- the child process -----------------------------------------------------------------------------
@@ -199,12 +188,12 @@ def _child_main(conn, options: EngineOptions, parent_pid: int) -> None:
     logging.basicConfig(level=options.log_level, stream=sys.stderr,
                         format="[%(asctime)s: %(levelname)s/engine %(process)d] %(name)s: %(message)s")
     client = redis_client(options.redis_url, options.redis_retry_seconds)  # rides out a Redis restart
-    service = EngineService(partial(load_and_warm, options.model_path, options.engine_options),
+    service = EngineService(partial(load_and_warm, options.engine_config),
                             StreamPublisher(client, options.stream_maxlen, options.stream_ttl),
                             nice=options.nice, background_writes=options.background_writes)
     send_lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message) -> None:
         with send_lock:
             conn.send(message)
 
@@ -212,31 +201,30 @@ def _child_main(conn, options: EngineOptions, parent_pid: int) -> None:
         service.start()
     except BaseException as err:
         log.exception("loading the engine failed")
-        send(("failed", f"{type(err).__name__}: {err}"))
+        send(LoadFailed(f"{type(err).__name__}: {err}"))
         return
-    send(("ready", service.stats()))
+    send(Ready(service.stats()))
     _serve_parent(conn, service, send)
     service.stop()
 
 
-def _serve_parent(conn, service, send) -> None:
+def _serve_parent(conn, service: EngineService, send) -> None:
     """Carry out the worker's messages until it says stop or goes away."""
     while True:
         try:
-            kind, *payload = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):  # the worker is gone
             return
-        if kind == "run":
-            number, request_id, prompts, params, resume_from, priority = payload
-            job = Job(request_id, prompts, params, resume_from, priority)
-            job.on_done = lambda job, number=number: send(
-                ("done", number, job.outputs, job.prompt_token_ids, job.first_token_at, _error_as_message(job.error)))
+        if isinstance(message, Run):
+            job = Job(message.request)
+            job.on_done = lambda job, number=message.number: send(
+                Finished(number, job.outcome.result, job.outcome.error))
             service.submit(job)
-        elif kind == "cancel":
-            service.cancel(payload[0])
-        elif kind == "hand_back":
-            service.hand_back(payload[0])
-        elif kind == "stats":
-            send(("stats", service.stats()))
-        elif kind == "stop":
+        elif isinstance(message, Cancel):
+            service.cancel(message.request_id)
+        elif isinstance(message, HandBack):
+            service.hand_back(message.request_id)
+        elif isinstance(message, AskStats):
+            send(Stats(service.stats()))
+        elif isinstance(message, Stop):
             return

@@ -15,7 +15,7 @@ from typing import Callable
 
 import redis
 
-from app.streams import lease_key
+from llmq.events import lease_key
 
 log = logging.getLogger(__name__)
 

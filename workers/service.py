@@ -23,15 +23,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from app.streams import StreamProgress
-from workers.engine.config import InvalidRequest, ResumePoint, SamplingParams
-from workers.engine.outputs import CompletionOutput, RequestDelta
-from workers.job import EngineFailure, Job, one_sample, output_so_far
+from llmq.engine.config import EngineConfig, ResumePoint
+from llmq.errors import InvalidRequest
+from llmq.events import DeltaEvent, DoneEvent, Event, Usage
+from llmq.model.tokenizer import Tokenizer
+from llmq.outputs import CompletionOutput, RequestDelta
+from workers.job import Job, one_sample, output_so_far
+from workers.messages import EngineFailure, EngineRequest, EngineResult, HandedBack
 from workers.publisher import StreamPublisher
 from workers.step_writer import StepEvents, StepWriter
 
 if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
-    from workers.engine.llm import LLMEngine
+    from llmq.engine.llm import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,6 @@ log = logging.getLogger(__name__)
 # How long a cancel for a request not (yet) in the engine is remembered: covers the moment between a
 # task's cancel check and its request reaching the loop; cancels of finished requests simply expire.
 _EARLY_CANCEL_MEMORY_S = 60.0
-
-
-class HandedBack(RuntimeError):
-    """This worker is stopping: the request goes back to the queue, to be resumed from its checkpoint."""
 
 
 class EngineService:
@@ -60,7 +59,6 @@ class EngineService:
         self._engine_factory = engine_factory
         self._nice = nice
         self.engine: "LLMEngine | None" = None
-        self.publisher = publisher
         # Made here, not on the loop thread: its thread keeps this thread's priority.
         self._writer = StepWriter(publisher, background=background_writes)
         self._intake: queue.Queue[Job] = queue.Queue()
@@ -94,15 +92,14 @@ class EngineService:
         self._thread.join(timeout)
         self._writer.stop(timeout)
 
-    def run(self, request_id: str, prompts: list, params: SamplingParams, timeout: float | None = None,
-            resume_from: StreamProgress | None = None, priority: int = 0) -> Job:
+    def run(self, request: EngineRequest, timeout: float | None = None) -> EngineResult:
         """Generate, publishing tokens as they come; returns when every sample has finished. With
-        `resume_from`, the choices go on from (and their outputs start with) what it holds. Raises
-        InvalidRequest if the engine refuses the request (e.g. longer than the context), HandedBack if
-        this worker is stopping."""
-        job = Job(request_id, prompts, params, resume_from, priority)
+        `request.resume_from`, the choices go on from (and their outputs start with) what it holds.
+        Raises InvalidRequest if the engine refuses the request (e.g. longer than the context),
+        HandedBack if this worker is stopping."""
+        job = Job(request)
         self.submit(job)
-        return job.result(timeout, self.cancel)
+        return job.outcome.wait(request.request_id, timeout, self.cancel)
 
     def submit(self, job: Job) -> None:
         """Hand a job to the loop without waiting: `job.finish()` reports its end (see `run`)."""
@@ -110,7 +107,7 @@ class EngineService:
         self._wake.set()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def hand_back(self, request_id: str | None = None) -> None:
@@ -191,8 +188,8 @@ class EngineService:
                 continue
             if job.finished:  # resumed with every choice already done: only the ending was missing
                 events = {}
-                if job.resume_from.ended_with is None:
-                    done = self.publisher.done_event(job.prompt_tokens, job.completion_tokens, time.time())
+                if job.request.resume_from.ended_with is None:
+                    done = DoneEvent(Usage(job.prompt_tokens, job.completion_tokens), time.time())
                     events = {job.request_id: (job.num_events + 1, [done])}
                 self._writer.submit(StepEvents(events, finished=[job]))
                 continue
@@ -203,19 +200,19 @@ class EngineService:
     def _start(self, job: Job) -> None:
         """Add a job's prompts to the engine: fresh prompts with their n samples together, choices of
         an interrupted run each on its own, resumed from the tokens it had streamed."""
-        n = job.params.n
-        streamed = job.resume_from.choices if job.resume_from else {}
-        if job.resume_from is not None:
-            job.num_events = job.resume_from.num_events
+        request = job.request
+        n = request.params.n
+        streamed = request.resume_from.choices if request.resume_from else {}
+        if request.resume_from is not None:
+            job.num_events = request.resume_from.num_events
         if streamed:
             log.info("resuming %s from its checkpoint: %d tokens already generated", job.request_id,
-                     job.resume_from.num_tokens)
-        for k, prompt in enumerate(job.prompts):
+                     request.resume_from.num_tokens)
+        for k, prompt in enumerate(request.prompts):
             before = [streamed.get(k * n + s) for s in range(n)]
-            seq = None
             if not any(c is not None and (c.token_ids or c.finish_reason) for c in before):
                 engine_id = f"{job.request_id}#{k}"
-                seq = self.engine.add_request(engine_id, prompt, job.params, job.priority)
+                self.engine.add_request(engine_id, prompt, request.params, request.priority)
                 job.routes[engine_id] = (k, 0)
                 job.outputs.append([CompletionOutput(i) for i in range(n)])
             else:
@@ -223,10 +220,9 @@ class EngineService:
                 for s, output in enumerate(job.outputs[k]):
                     if output.finish_reason is None:
                         engine_id = f"{job.request_id}#{k}.{s}"
-                        seq = self.engine.add_request(engine_id, prompt, one_sample(job.params, s), job.priority,
-                                                      resume=ResumePoint(tuple(output.token_ids), len(output.text)))
+                        self.engine.add_request(engine_id, prompt, one_sample(request.params, s), request.priority,
+                                                resume=ResumePoint(tuple(output.token_ids), len(output.text)))
                         job.routes[engine_id] = (k, s)
-            job.prompt_token_ids.append(seq.prompt_token_ids if seq else self.engine.tokenize(prompt))
         for engine_id in job.routes:
             self._by_engine_id[engine_id] = job
 
@@ -248,7 +244,7 @@ class EngineService:
                 del self._early_cancels[request_id]
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
-        events: dict[Job, list[dict]] = {}
+        events: dict[Job, list[Event]] = {}
         finished_jobs = []
         now = time.time()
         for delta in deltas:
@@ -260,12 +256,12 @@ class EngineService:
             job.outputs[prompt_number][sample].add(delta)
             if job.first_token_at is None and delta.token_ids:
                 job.first_token_at = now
-            events.setdefault(job, []).append(
-                self.publisher.delta_event(prompt_number * job.params.n + sample, delta, now))
+            events.setdefault(job, []).append(DeltaEvent(prompt_number * job.params.n + sample, delta.text,
+                                                         delta.token_ids, delta.logprobs, delta.finish_reason, now))
             if delta.finished and job.finished:
                 finished_jobs.append(job)
         for job in finished_jobs:
-            events.setdefault(job, []).append(self.publisher.done_event(job.prompt_tokens, job.completion_tokens, now))
+            events.setdefault(job, []).append(DoneEvent(Usage(job.prompt_tokens, job.completion_tokens), now))
         numbered = {}
         for job, job_events in events.items():
             numbered[job.request_id] = (job.num_events + 1, job_events)
@@ -305,12 +301,13 @@ class EngineService:
             self._end(job, error)
 
 
-def load_and_warm(model_path: str, engine_options: dict) -> "LLMEngine":
+def load_and_warm(config: EngineConfig) -> "LLMEngine":
     """Build the engine and run one tiny request through it, so the first real step pays no one-time
     cost. An EngineService's factory: it runs on the loop thread."""
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from llmq.engine.llm import LLMEngine
+    from llmq.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model_path, **engine_options))
+    engine = LLMEngine(config)
     engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
     while engine.has_unfinished():
         engine.step()
@@ -378,18 +375,3 @@ class _Progress:
                  "free KV blocks %d/%d", steps, 1000 * busy / steps, 100 * busy / elapsed, tokens / elapsed,
                  stats["running"], stats["waiting"], stats["free_blocks"], stats["total_blocks"])
         self._mark()
-
-
-_current: EngineService | None = None
-
-
-def install(service: EngineService) -> None:
-    """Make `service` this process's engine service (done once, when the worker starts)."""
-    global _current
-    _current = service
-
-
-def current_service() -> EngineService:
-    if _current is None:
-        raise RuntimeError("no engine in this process: tasks run in an llmq worker (see workers/celery_app.py)")
-    return _current

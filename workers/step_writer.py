@@ -11,7 +11,7 @@ throughput to show for it), so there the loop writes them itself.
 
 Order is what makes this safe. The events are every request's checkpoint and its readers' stream:
 - they are written one step after another, as the loop made them;
-- a job that finished in a step is woken (`job.done`) only once that step's events are written, so
+- a job that finished in a step is woken (`job.finish`) only once that step's events are written, so
   its task stores the result after its stream holds the end;
 - the loop calls `flush()` before it ends a job any other way (an error, or handing it back to the
   queue), so another worker that resumes the request finds every token this one made.
@@ -28,7 +28,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from workers.job import EngineFailure, Job
+from llmq.events import Event
+from workers.job import Job
+from workers.messages import EngineFailure
 from workers.publisher import StreamPublisher
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 class StepEvents:
     """One step's events: request id -> (the number of its first event here, its events)."""
 
-    events: dict[str, tuple[int, list[dict]]]
+    events: dict[str, tuple[int, list[Event]]]
     finished: list[Job] = field(default_factory=list)  # woken once the events are written
 
 

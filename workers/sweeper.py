@@ -21,11 +21,12 @@ import redis
 from celery import Celery
 from sqlalchemy import select
 
-from app.config import queue_name
-from app.database import Database
-from app.models import Batch, BatchItem, Request
-from app.streams import lease_key, request_cancel
-from workers import batch_lifecycle
+from llmq.events import lease_key
+from llmq.settings import queue_name
+from llmq.store import batch_lifecycle
+from llmq.store.database import Database
+from llmq.store.models import UNFINISHED_ITEM_STATES, Batch, BatchItem, BatchStatus, Request, RequestStatus
+from llmq.streams import request_cancel
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,9 @@ class Sweeper:
         """Unfinished work of the models whose queue is empty, held by no lease: (task, id) -> (model,
         broker priority)."""
         with self.db.read() as session:
-            batch_models = set(session.scalars(select(Batch.model).where(Batch.status == "in_progress").distinct()))
+            batch_models = set(session.scalars(select(Batch.model).where(Batch.status == BatchStatus.IN_PROGRESS).distinct()))
             request_models = set(session.scalars(select(Request.model).where(
-                Request.status.in_(("queued", "running")), Request.batch_id.is_(None)).distinct()))
+                Request.status.in_((RequestStatus.QUEUED, RequestStatus.RUNNING)), Request.batch_id.is_(None)).distinct()))
         idle_models = {model for model in batch_models | request_models if self._queue_size(model) == 0}
         if not idle_models:
             return {}
@@ -81,10 +82,10 @@ class Sweeper:
         with self.db.read() as session:
             items = session.execute(select(BatchItem.id, BatchItem.request_id, Batch.model)
                                     .join(Batch, Batch.id == BatchItem.batch_id)
-                                    .where(Batch.status == "in_progress", Batch.model.in_(idle_models),
-                                           BatchItem.status.in_(batch_lifecycle.UNFINISHED_ITEM_STATES))).all()
+                                    .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.model.in_(idle_models),
+                                           BatchItem.status.in_(UNFINISHED_ITEM_STATES))).all()
             requests = session.execute(select(Request.id, Request.model).where(
-                Request.status.in_(("queued", "running")), Request.batch_id.is_(None),
+                Request.status.in_((RequestStatus.QUEUED, RequestStatus.RUNNING)), Request.batch_id.is_(None),
                 Request.model.in_(idle_models))).all()
         work = [(("llmq.run_batch_item", str(item_id)), request_id, model, batch_lifecycle.BATCH_BROKER_PRIORITY)
                 for item_id, request_id, model in items]

@@ -19,18 +19,18 @@ from app import limits
 from app.api.common import db, enqueue, json_body, owned, owns, redis_client, served_model, settings
 from app.auth import current_tenant
 from app.errors import APIError
-from app.models import Batch, BatchItem, File
 from app.serializers import batch_object
-from app.streams import request_cancel
-from workers.batch_lifecycle import expire_overdue, finalize_if_done  # torch-free bookkeeping
-from workers.openai_protocol import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from llmq.protocol.openai import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from llmq.store.batch_lifecycle import expire_overdue, finalize_if_done  # torch-free bookkeeping
+from llmq.store.models import Batch, BatchItem, BatchStatus, File, ItemStatus
+from llmq.streams import request_cancel
 
 log = logging.getLogger(__name__)
 
 blueprint = Blueprint("batches", __name__, url_prefix="/v1")
 
 ENDPOINTS = (COMPLETIONS_ENDPOINT, CHAT_ENDPOINT)
-CANCELLABLE = ("validating", "in_progress")
+CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 # OpenAI takes only "24h". llmq also takes any whole number of seconds, minutes or hours up to a week
 # ("90s", "30m", "72h"), so a self-hosted queue can say how long its jobs may wait; "24h" stays the
 # documented default. A batch still running when its window ends is expired.
@@ -66,7 +66,7 @@ def create_batch():
                                 "uploaded with purpose 'batch'", param="input_file_id", code="invalid_file_purpose")
         created = time.time()
         batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id,
-                      completion_window=window, status="validating", metadata_=metadata, created_at=created,
+                      completion_window=window, status=BatchStatus.VALIDATING, metadata_=metadata, created_at=created,
                       expires_at=created + window_seconds, max_tokens_limit=limits.current_limits().max_tokens or None)
         session.add(batch)
     # Queued only after the row is committed, so the worker always finds it.
@@ -76,7 +76,7 @@ def create_batch():
         log.exception("could not queue batch %s", batch.id)
         with db().session() as session:
             batch = session.get(Batch, batch.id)
-            batch.status, batch.failed_at = "failed", time.time()
+            batch.status, batch.failed_at = BatchStatus.FAILED, time.time()
             batch.errors = {"object": "list", "data": [{"code": "queue_unavailable", "param": None, "line": None,
                                                         "message": "the task queue (Redis) did not accept the batch"}]}
         raise APIError(503, "the task queue (Redis) is unavailable, so the batch could not be queued; "
@@ -132,20 +132,20 @@ def cancel_batch(batch_id: str):
         # A conditional update, so a worker finalizing the batch at this moment is never overwritten.
         moved = session.execute(update(Batch).where(Batch.id == batch_id, Batch.tenant == current_tenant(),
                                                     Batch.status.in_(CANCELLABLE))
-                                .values(status="cancelling", cancelling_at=time.time())).rowcount
+                                .values(status=BatchStatus.CANCELLING, cancelling_at=time.time())).rowcount
         batch = _batch(session, batch_id)
-        if not moved and batch.status not in ("cancelling", "cancelled"):
+        if not moved and batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             raise APIError(400, f"batch {batch_id} is {batch.status} and cannot be cancelled (only validating or "
                                 "in_progress batches can)", code="invalid_batch_status")
-        if batch.status == "cancelled":
+        if batch.status == BatchStatus.CANCELLED:
             return batch_object(batch)
     with db().session() as session:
         # A queued line's task would cancel itself when it comes (claim_item checks the batch), but
         # doing it now ends the batch at once even when no worker is consuming the queue.
-        session.execute(update(BatchItem).where(BatchItem.batch_id == batch_id, BatchItem.status == "pending")
-                        .values(status="cancelled"))
+        session.execute(update(BatchItem).where(BatchItem.batch_id == batch_id, BatchItem.status == ItemStatus.PENDING)
+                        .values(status=ItemStatus.CANCELLED))
         running = session.scalars(select(BatchItem.request_id).where(
-            BatchItem.batch_id == batch_id, BatchItem.status == "running", BatchItem.request_id.is_not(None))).all()
+            BatchItem.batch_id == batch_id, BatchItem.status == ItemStatus.RUNNING, BatchItem.request_id.is_not(None))).all()
     _stop_running(running)
     with db().session() as session:
         finalize_if_done(session, batch_id)  # cancelled now if nothing runs; else the last line finalizes

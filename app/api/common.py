@@ -5,39 +5,41 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from flask import current_app, request
+from flask import request
 from sqlalchemy.orm import Session
 
 from app.auth import current_tenant
-from app.config import Settings, queue_name
-from app.database import Database
 from app.errors import APIError, not_found
+from app.services import services
 from app.stream_hub import StreamHub
+from llmq.model.tokenizer import Tokenizer
+from llmq.settings import Settings, queue_name
+from llmq.store.database import Database
 
 
 def settings() -> Settings:
-    return current_app.config["LLMQ"]
+    return services().settings
 
 
 def db() -> Database:
-    return current_app.extensions["llmq_db"]
+    return services().db
 
 
 def redis_client() -> redis.Redis:
-    return current_app.extensions["llmq_redis"]
+    return services().redis
 
 
 def stream_hub() -> StreamHub:
-    """This web process's reader of request streams (app/stream_hub.py)."""
-    return current_app.extensions["llmq_stream_hub"]
+    return services().stream_hub
+
+
+def tokenizer() -> Tokenizer:
+    return services().tokenizer
 
 
 def served_model() -> str:
     """The model id this deployment serves (what clients pass as "model")."""
-    name = current_app.extensions.get("llmq_model_name")
-    if name is None:
-        name = current_app.extensions["llmq_model_name"] = settings().resolved_model_name()
-    return name
+    return services().model.name
 
 
 def check_model(model: Any, required: bool = True) -> str:
@@ -66,17 +68,7 @@ def json_body() -> dict:
 
 def enqueue(task_name: str, args: list, model: str) -> None:
     """Send a task to the model's queue by name, so the web process never imports the workers' code."""
-    current_app.extensions["celery"].send_task(task_name, args=args, queue=queue_name(model))
-
-
-def tokenizer():
-    """The served model's tokenizer (torch-free), loaded once per web process."""
-    tok = current_app.extensions.get("llmq_tokenizer")
-    if tok is None:
-        from workers.model.tokenizer import Tokenizer
-
-        tok = current_app.extensions["llmq_tokenizer"] = Tokenizer.from_folder(settings().resolved_model_path())
-    return tok
+    services().celery.send_task(task_name, args=args, queue=queue_name(model))
 
 
 def owns(row) -> bool:

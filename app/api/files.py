@@ -1,6 +1,6 @@
 """The OpenAI Files API: upload a batch input file, list, get, download, delete.
 
-Content lives in the database (see app.models.File), so every web process and worker reads the same
+Content lives in the database (see llmq.store.models.File), so every web process and worker reads the same
 bytes. An upload is only stored, not checked: as with OpenAI, the lines are validated when a batch is
 created from the file, and each bad line becomes one error line of that batch.
 """
@@ -16,8 +16,8 @@ from app.api.common import db, owned
 from app.auth import current_tenant
 from app.errors import APIError, not_found
 from app.limits import check_batch_lines, current_limits
-from app.models import File
 from app.serializers import file_deleted_object, file_object
+from llmq.store.models import File
 
 blueprint = Blueprint("files", __name__, url_prefix="/v1")
 

@@ -20,26 +20,26 @@
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 
 from flask import Blueprint, Response, request, stream_with_context, url_for
 from sqlalchemy import update
 
-from app import completion_stream
 from app.api import common
 from app.api.completions import submit
 from app.errors import APIError
-from app.models import Request
+from app.sse import HEARTBEAT, sse_event
 from app.stream_hub import StreamHub
-from app.streams import entry_id_key, publish_events, request_cancel, stream_entry, stream_key
-from workers.publisher import StreamPublisher
+from llmq import events
+from llmq.events import DeltaEvent, ErrorEvent, accumulate, stream_key
+from llmq.protocol.prepare import CHAT, COMPLETION
+from llmq.store.models import TERMINAL_REQUEST_STATES, Request, RequestStatus
+from llmq.streams import entry_id_key, publish_events, request_cancel, stream_entry
 
 blueprint = Blueprint("requests", __name__, url_prefix="/v1")
 
-TERMINAL = ("completed", "failed", "cancelled")
-_ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_ENDPOINTS = {COMPLETION: "/v1/completions", CHAT: "/v1/chat/completions"}
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 _MAX_STREAM_ID_PART = 1 << 64  # a Redis stream entry id is two unsigned 64-bit integers
 
@@ -50,7 +50,7 @@ def create_request():
     if "messages" in body and "prompt" in body:
         raise APIError(400, "give either prompt (a completion) or messages (a chat completion), not both",
                        param="messages", code="invalid_request")
-    submitted = submit("chat" if "messages" in body else "completion", body)
+    submitted = submit(CHAT if "messages" in body else COMPLETION, body)
     location = url_for("requests.get_request", request_id=submitted.row.id)
     return request_object(submitted.row), 202, {"Location": location}
 
@@ -63,17 +63,18 @@ def get_request(request_id: str):
 @blueprint.post("/requests/<request_id>/cancel")
 def cancel_request(request_id: str):
     row = _row(request_id)
-    if row.status not in TERMINAL:
+    if row.status not in TERMINAL_REQUEST_STATES:
         redis, settings = common.redis_client(), common.settings()
         request_cancel(redis, request_id, ttl=settings.stream_ttl)
         # Only a row still queued is ours to end; a running one is the worker's, which aborts it and
         # stores what was made. The condition makes a race with a task starting it harmless.
         with common.db().session() as session:
-            result = session.execute(update(Request).where(Request.id == request_id, Request.status == "queued")
-                                     .values(status="cancelled", finished_at=time.time()))
+            result = session.execute(update(Request).where(Request.id == request_id,
+                                                           Request.status == RequestStatus.QUEUED)
+                                     .values(status=RequestStatus.CANCELLED, finished_at=time.time()))
         if result.rowcount:
             # The task will skip this row without publishing: end the stream here for whoever follows it.
-            event = StreamPublisher.error_event("cancelled", "the request was cancelled before it started", time.time())
+            event = ErrorEvent("cancelled", "the request was cancelled before it started", t=time.time())
             publish_events(redis, request_id, [event], settings.stream_maxlen, settings.stream_ttl)
         row = _row(request_id)
     return request_object(row)
@@ -94,15 +95,14 @@ def request_events(request_id: str):
     last_entry = redis.xrevrange(stream_key(request_id), count=1)
     if last_entry:
         entry_id, data = stream_entry(last_entry[0])
-        event = json.loads(data)
-        if event["type"] in ("done", "error") and entry_id_key(entry_id) <= entry_id_key(last_id):
+        if not isinstance(events.decode(data), DeltaEvent) and entry_id_key(entry_id) <= entry_id_key(last_id):
             return Response(status=204)  # the client has everything, the end included
-    elif row.status in TERMINAL:
+    elif row.status in TERMINAL_REQUEST_STATES:
         raise APIError(410, f"the event stream of request {request_id} has expired; its result is at "
                             f"GET /v1/requests/{request_id}", code="stream_expired")
-    events = _event_stream(redis, common.stream_hub(), request_id, last_id,
+    stream = _event_stream(redis, common.stream_hub(), request_id, last_id,
                            common.settings().stream_ttl if cancel_on_disconnect else None)
-    return Response(stream_with_context(events), mimetype="text/event-stream",
+    return Response(stream_with_context(stream), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -111,11 +111,11 @@ def _event_stream(redis, hub: StreamHub, request_id: str, last_id: str, cancel_t
     try:
         for entry_id, event in hub.read_events(request_id, last_id=last_id):
             if event is None:
-                yield completion_stream.HEARTBEAT
+                yield HEARTBEAT
                 continue
-            if event["type"] in ("done", "error"):
+            if not isinstance(event, DeltaEvent):
                 finished = True  # whatever happens to this connection now, the request is over
-            yield completion_stream.sse_event(entry_id, event)
+            yield sse_event(entry_id, event)
         finished = True
     finally:
         if not finished and cancel_ttl is not None:  # the client went away while the request ran
@@ -135,11 +135,11 @@ def request_object(row: Request) -> dict:
         usage = row.response.get("usage")
         error = row.error
     else:
-        state = completion_stream.accumulate(_stream_events(row.id))
+        progress = accumulate(_stream_events(row.id))
         choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason}
-                   for i, c in sorted(state.choices.items())]
-        usage = state.usage
-        error = row.error or state.error
+                   for i, c in sorted(progress.choices.items())]
+        usage = progress.usage.as_dict() if progress.usage is not None else None
+        error = row.error or (progress.error.as_dict() if progress.error is not None else None)
     return {
         "id": row.id, "object": "request", "status": row.status, "model": row.model,
         "endpoint": _ENDPOINTS.get(row.kind, "/v1/completions"),
@@ -147,15 +147,15 @@ def request_object(row: Request) -> dict:
         "finished_at": row.finished_at,
         "text": choices[0]["text"] if choices else "",
         "choices": choices, "usage": usage,
-        "response": row.response if row.status == "completed" else None,
+        "response": row.response if row.status == RequestStatus.COMPLETED else None,
         "error": error,
     }
 
 
-def _stream_events(request_id: str) -> list[dict]:
+def _stream_events(request_id: str) -> list[events.Event]:
     """Every event in the request's stream now, without waiting (empty once the stream expired)."""
     entries = common.redis_client().xrange(stream_key(request_id))
-    return [json.loads(data) for _entry_id, data in map(stream_entry, entries)]
+    return [events.decode(data) for _entry_id, data in map(stream_entry, entries)]
 
 
 def _row(request_id: str) -> Request:

@@ -6,7 +6,7 @@ import time
 from flask import Blueprint
 
 from app.api.common import redis_client, settings
-from app.streams import WORKERS_KEY
+from llmq.events import WORKERS_KEY
 
 blueprint = Blueprint("workers", __name__, url_prefix="/v1")
 

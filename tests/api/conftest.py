@@ -10,14 +10,13 @@ import pytest
 import redis
 
 from app.api import common
-from app.streams import publish_events
-
+from llmq.streams import publish_events
 
 # ---- a stand-in for the worker: the web tier's tests run without one ------------------------------
 
 class StandInWorker:
     """Replaces `enqueue`: records each request id and, if given `events`, publishes them a little
-    later from another thread, as a worker would while the web process waits (app/streams.py's
+    later from another thread, as a worker would while the web process waits (llmq/events.py's
     contract). `hold` keeps the submission inside enqueue until it is set."""
 
     def __init__(self, r: redis.Redis):
@@ -54,7 +53,7 @@ def make_app(tmp_path, migrated_db, redis_url, stories_dir):
     """A factory of web apps sharing one fresh migrated SQLite database and the (flushed) test Redis,
     as several web processes of one deployment do. Keyword arguments are Settings fields."""
     from app import create_app
-    from app.config import Settings
+    from llmq.settings import Settings
 
     db_path = tmp_path / "access.db"
     shutil.copy(migrated_db, db_path)
@@ -71,8 +70,8 @@ def make_app(tmp_path, migrated_db, redis_url, stories_dir):
 
     yield make
     for flask_app in apps:
-        flask_app.extensions["celery"].close()
-        flask_app.extensions["llmq_db"].engine.dispose()
+        flask_app.extensions["llmq"].celery.close()
+        flask_app.extensions["llmq"].db.engine.dispose()
 
 
 @pytest.fixture
@@ -88,10 +87,10 @@ def client(app):
 @pytest.fixture
 def new_key():
     """new_key(app, tenant, **limits) -> (key id, request headers that carry the key)."""
-    from app.api_keys import KeyLimits, create_key
+    from llmq.store.api_keys import KeyLimits, create_key
 
     def make(flask_app, tenant: str, **limits) -> tuple[str, dict]:
-        with flask_app.extensions["llmq_db"].session() as session:
+        with flask_app.extensions["llmq"].db.session() as session:
             key, secret = create_key(session, tenant, limits=KeyLimits(**limits))
         return key.id, {"Authorization": f"Bearer {secret}"}
 

@@ -15,9 +15,10 @@ import pytest
 from sqlalchemy import select
 
 from app import create_app
-from app.config import Settings
-from app.models import ApiKey, File
-from workers import cli
+from llmq.settings import Settings
+from llmq.store.models import ApiKey, File
+from stack import cli
+from tests.conftest import STORIES_DIR
 
 PUBLIC_BLUEPRINTS = ("health",)  # load balancers' health checks
 
@@ -25,7 +26,7 @@ PUBLIC_BLUEPRINTS = ("health",)  # load balancers' health checks
 def routes(public: bool) -> list[tuple[str, str]]:
     """(method, path) of every route of the app, its arguments filled with an id that exists nowhere."""
     flask_app = create_app(Settings(home=None, database_url="sqlite://", redis_url="redis://127.0.0.1:1/0",
-                                    model_path="unused", model_name="unused"))  # nothing is connected
+                                    model_path=str(STORIES_DIR), model_name="unused"))  # nothing is connected
     found = []
     for rule in flask_app.url_map.iter_rules():
         is_public = rule.endpoint.partition(".")[0] in PUBLIC_BLUEPRINTS
@@ -59,7 +60,7 @@ def test_a_fresh_install_is_open_and_runs_as_tenant_default(app, client):
     assert client.get("/v1/models").status_code == 200
     uploaded = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(b"{}\n"), "a.jsonl")})
     assert uploaded.status_code == 200
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         assert session.get(File, uploaded.get_json()["id"]).tenant == "default"
     # A key sent to an open install is not looked at: there is nothing to check it against.
     assert client.get("/v1/models", headers={"Authorization": "Bearer whatever"}).status_code == 200
@@ -76,7 +77,7 @@ def test_the_first_key_closes_a_running_server_at_once(app, client, new_key):
 def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(app, client, new_key, method, path):
     new_key(app, "acme")
     revoked_id, revoked = new_key(app, "acme")
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         session.get(ApiKey, revoked_id).revoked_at = 1.0
     unknown_secret = "llmq-" + "A" * 43
     cases = [({}, "didn't provide an API key"),
@@ -98,14 +99,14 @@ def test_health_stays_open_with_keys(app, client, new_key, method, path):
 def test_revoking_every_key_does_not_open_the_server(app, client, new_key):
     key_id, headers = new_key(app, "acme")
     assert client.get("/v1/files", headers=headers).status_code == 200
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         session.get(ApiKey, key_id).revoked_at = 1.0
     assert_unauthorized(client.get("/v1/files", headers=headers), "has been revoked")
     assert_unauthorized(client.get("/v1/files"), "didn't provide an API key")
 
 
 def test_cli_create_list_revoke_round_trip(app, client, tmp_path, monkeypatch, capsys):
-    database_url = app.config["LLMQ"].database_url
+    database_url = app.extensions["llmq"].settings.database_url
     monkeypatch.setenv("DATABASE_URL", database_url)
     assert cli.main(["keys", "create", "--tenant", "acme", "--name", "ci", "--rpm", "7", "--max-tokens", "64"]) == 0
     out, err = capsys.readouterr()
@@ -113,7 +114,7 @@ def test_cli_create_list_revoke_round_trip(app, client, tmp_path, monkeypatch, c
     assert re.fullmatch(r"llmq-[A-Za-z0-9_-]{43}", secret), out
     assert "shown only now" in err
 
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         key = session.scalars(select(ApiKey)).one()
         assert key.key_hash == hashlib.sha256(secret.encode()).hexdigest()
         assert (key.tenant, key.name, key.rate_limit_rpm, key.max_tokens, key.rate_limit_tpm) == ("acme", "ci", 7, 64, None)
@@ -156,8 +157,8 @@ def test_access_modules_and_the_keys_command_do_not_import_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, app.auth, app.api_keys, app.limits, app.idempotency, app.keys_cli; "
-            "from workers import cli; cli.main(['keys', 'list']); "
+    code = ("import sys, app.auth, llmq.store.api_keys, app.limits, app.idempotency, stack.keys_cli; "
+            "from stack import cli; cli.main(['keys', 'list']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,

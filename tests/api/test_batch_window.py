@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app import create_app
-from app.config import Settings
+from llmq.settings import Settings
 
 
 @pytest.fixture()

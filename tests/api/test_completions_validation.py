@@ -3,7 +3,7 @@ a real Redis server and a migrated SQLite database.
 
 Bad input must answer the OpenAI error shape naming the field. Where an answer needs a worker, a
 stand-in takes its place (tests/api/conftest.py): `enqueue` is replaced by one that writes the
-events a worker would (app/streams.py's contract) into the request's stream, so the assembly of
+events a worker would (llmq/events.py's contract) into the request's stream, so the assembly of
 answers, stream chunks, resume and cancel are checked exactly.
 """
 from __future__ import annotations
@@ -20,9 +20,10 @@ import redis
 
 from app import create_app
 from app.api import common
-from app.config import Settings
-from app.models import Request
-from app.streams import cancel_key, stream_key
+from llmq import events
+from llmq.events import DoneEvent, ErrorEvent, Usage, cancel_key, stream_key
+from llmq.settings import Settings
+from llmq.store.models import Request
 from tests.api.conftest import StandInWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def make_app(tmp_path, migrated_db, redis_url, model_dir, model_name):
 def app(tmp_path, migrated_db, redis_url, stories_dir):
     flask_app = make_app(tmp_path, migrated_db, redis_url, stories_dir, MODEL)
     yield flask_app
-    flask_app.extensions["llmq_db"].engine.dispose()
+    flask_app.extensions["llmq"].db.engine.dispose()
 
 
 @pytest.fixture
@@ -71,13 +72,13 @@ def r(redis_url):
 
 
 def delta(index, text, finish_reason=None, token_ids=(), logprobs=None):
-    return {"type": "delta", "index": index, "text": text, "token_ids": list(token_ids), "logprobs": logprobs,
-            "finish_reason": finish_reason, "t": time.time()}
+    """A delta event as its JSON says it (logprobs as [{"token_id", "logprob", "top"}]), through the codec."""
+    return events.from_dict({"type": "delta", "index": index, "text": text, "token_ids": list(token_ids),
+                             "logprobs": logprobs, "finish_reason": finish_reason, "t": time.time()})
 
 
 def done(prompt_tokens=3, completion_tokens=2):
-    return {"type": "done", "t": time.time(), "usage": {"prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}}
+    return DoneEvent(Usage(prompt_tokens, completion_tokens), time.time())
 
 
 def assert_error(resp, status, param=None, code=None, error_type="invalid_request_error"):
@@ -194,7 +195,7 @@ def test_models_list(client):
 
 
 def test_web_modules_do_not_import_torch():
-    code = ("import sys, app, app.api.completions, app.api.requests, app.completion_stream; "
+    code = ("import sys, app, app.api.completions, app.api.requests, llmq.protocol.responses, llmq.protocol.prepare; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -214,7 +215,7 @@ def test_completion_waits_and_assembles_choices(client, worker, app):
         {"index": 0, "text": " was happy", "logprobs": None, "finish_reason": "stop"},
         {"index": 1, "text": "Tom ran", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         row = session.get(Request, body["id"])
         assert (row.kind, row.status, row.body["n"]) == ("completion", "queued", 2)
 
@@ -238,7 +239,7 @@ def test_completion_echo_and_logprobs(client, worker, app):
 @pytest.mark.parametrize("code, status, error_type", [("invalid_request", 400, "invalid_request_error"),
                                                        ("server_error", 500, "server_error")])
 def test_error_event_becomes_openai_error(client, worker, code, status, error_type):
-    worker.events = [{"type": "error", "error": {"code": code, "message": "it broke"}, "t": time.time()}]
+    worker.events = [ErrorEvent(code, "it broke", t=time.time())]
     resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert assert_error(resp, status, code=code, error_type=error_type)["message"] == "it broke"
 
@@ -275,7 +276,7 @@ def test_chat_stream_and_wait(tmp_path, migrated_db, redis_url, chat_model_dir, 
     assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == [
         ({"role": "assistant", "content": ""}, None), ({"content": "Once"}, None), ({"content": " more"}, None),
         ({}, "stop")]
-    chat_app.extensions["llmq_db"].engine.dispose()
+    chat_app.extensions["llmq"].db.engine.dispose()
 
 
 def test_stream_client_leaving_cancels_the_request(client, worker, r):
@@ -315,8 +316,8 @@ def test_request_lifecycle_poll_and_resume(client, worker, app, r):
     assert_error(client.get(f"/v1/requests/{request_id}/events?last_event_id=abc"), 400, param="last_event_id")
 
     response = {"id": request_id, "object": "text_completion", "created": 1, "model": MODEL,
-                "usage": done(1, 3)["usage"], "choices": [{"index": 0, "text": "Once upon a", "logprobs": None, "finish_reason": "length"}]}
-    with app.extensions["llmq_db"].session() as session:  # what the task stores when it ends
+                "usage": done(1, 3).usage.as_dict(), "choices": [{"index": 0, "text": "Once upon a", "logprobs": None, "finish_reason": "length"}]}
+    with app.extensions["llmq"].db.session() as session:  # what the task stores when it ends
         row = session.get(Request, request_id)
         row.status, row.response, row.finished_at = "completed", response, time.time()
     polled = client.get(f"/v1/requests/{request_id}").get_json()
@@ -332,7 +333,7 @@ def test_cancel_a_queued_request(client, worker, r):
     events = client.get(f"/v1/requests/{request_id}/events").get_data(as_text=True)
     assert "event: error" in events and '"cancelled"' in events
     # A waiting /v1/completions caller of a request cancelled before it ran gets a clear answer too.
-    worker.events = [{"type": "error", "error": {"code": "cancelled", "message": "cancelled"}, "t": time.time()}]
+    worker.events = [ErrorEvent("cancelled", "cancelled", t=time.time())]
     assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 409, code="cancelled")
 
 
@@ -348,7 +349,7 @@ def test_events_client_leaving_cancels_only_when_asked_to(client, worker, r):
 
 
 def test_stream_chunk_logprobs_continue_the_text_offsets():
-    from app.completion_stream import ChunkBuilder, ResponseSpec
+    from llmq.protocol.responses import ChunkBuilder, ResponseSpec
 
     spec = ResponseSpec(id="cmpl-x", kind="completion", model=MODEL, created=1, num_choices=2, n=2, logprobs=True,
                         echo_prefixes=("Hi",))

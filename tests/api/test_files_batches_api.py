@@ -1,6 +1,6 @@
 """Files and Batches API, with no worker: the web process against a real Redis server and a migrated
 SQLite database. What a worker would do is driven here through the torch-free bookkeeping
-(workers.batch_lifecycle), so the batch states the API shows are checked exactly.
+(llmq.store.batch_lifecycle), so the batch states the API shows are checked exactly.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import redis
 from sqlalchemy import select
 
 from app import create_app
-from app.config import Settings, queue_name
-from app.models import Batch, BatchItem, File
-from app.streams import cancel_key
-from workers import batch_lifecycle
+from llmq.events import cancel_key
+from llmq.settings import Settings, queue_name
+from llmq.store import batch_lifecycle
+from llmq.store.models import Batch, BatchItem, File
 
 MODEL = "stories260k"
 MAX_UPLOAD = 4096
@@ -36,8 +36,8 @@ def app(tmp_path, migrated_db, redis_url, stories_dir):
     flask_app = create_app(settings)
     flask_app.config["TESTING"] = True
     yield flask_app
-    flask_app.extensions["celery"].close()
-    flask_app.extensions["llmq_db"].engine.dispose()
+    flask_app.extensions["llmq"].celery.close()
+    flask_app.extensions["llmq"].db.engine.dispose()
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_create_batch_input_file_errors(client, app):
     client.delete(f"/v1/files/{deleted}")
     assert_error(create_batch(client, deleted), 404, "input_file_id", "not_found")
 
-    with app.extensions["llmq_db"].session() as session:  # a batch's output file is no input
+    with app.extensions["llmq"].db.session() as session:  # a batch's output file is no input
         output = File(filename="out.jsonl", purpose="batch_output", bytes=3, content=b"{}\n")
         session.add(output)
     assert "purpose" in assert_error(create_batch(client, output.id), 400, "input_file_id")["message"]
@@ -259,12 +259,12 @@ MIXED_INPUT = "\n".join([
 
 def expand(app, batch_id: str) -> list[int]:
     """What the worker's llmq.run_batch task does first, without a worker."""
-    with app.extensions["llmq_db"].session() as session:
-        return batch_lifecycle.expand_input(session, session.get(Batch, batch_id), MODEL, max_lines=100)
+    with app.extensions["llmq"].db.session() as session:
+        return batch_lifecycle.expand_input(session, session.get(Batch, batch_id), app.extensions["llmq"].model, app.extensions["llmq"].tokenizer, max_lines=100)
 
 
 def items(app, batch_id: str) -> list[BatchItem]:
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         return list(session.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)
                                     .order_by(BatchItem.line)))
 
@@ -317,7 +317,7 @@ def test_cancel_validating_batch_with_no_items_is_cancelled_at_once(client):
 def test_cancel_flags_running_lines_and_the_last_one_ends_the_batch(client, app, broker):
     batch_id = new_batch(client)["id"]
     first, *others = sorted(expand(app, batch_id))
-    with app.extensions["llmq_db"].session() as session:  # a worker has started the first line
+    with app.extensions["llmq"].db.session() as session:  # a worker has started the first line
         assert batch_lifecycle.claim_item(session, first, "cmpl-running1") is not None
 
     body = client.post(f"/v1/batches/{batch_id}/cancel").get_json()
@@ -326,16 +326,16 @@ def test_cancel_flags_running_lines_and_the_last_one_ends_the_batch(client, app,
     assert [i.status for i in items(app, batch_id)] == ["running", "cancelled", "cancelled"]
     assert client.post(f"/v1/batches/{batch_id}/cancel").get_json()["status"] == "cancelling"
 
-    with app.extensions["llmq_db"].session() as session:  # the worker's task sees its line aborted
+    with app.extensions["llmq"].db.session() as session:  # the worker's task sees its line aborted
         batch_lifecycle.record_result(session, first, "cancelled", None)
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         assert batch_lifecycle.finalize_if_done(session, batch_id) == "cancelled"
     assert client.get(f"/v1/batches/{batch_id}").get_json()["status"] == "cancelled"
 
 
 def test_finished_batch_cannot_be_cancelled(client, app):
     batch_id = new_batch(client)["id"]
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         session.get(Batch, batch_id).status = "completed"
     error = assert_error(client.post(f"/v1/batches/{batch_id}/cancel"), 400, None, "invalid_batch_status")
     assert "completed" in error["message"]

@@ -14,7 +14,8 @@ import time
 import pytest
 import redis
 
-from app.models import Batch, File, Request
+from llmq.events import DeltaEvent, DoneEvent, Event, Usage
+from llmq.store.models import Batch, File, Request
 
 MODEL = "stories260k"
 QUEUE = f"llmq.{MODEL}"
@@ -27,7 +28,7 @@ def broker(redis_url):
 
 
 def rows(app, model) -> list:
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         return session.query(model).all()
 
 
@@ -35,10 +36,8 @@ def idem(key: str, **headers) -> dict:
     return {"Idempotency-Key": key, **headers}
 
 
-def events(text: str = " there was") -> list[dict]:
-    return [{"type": "delta", "index": 0, "text": text, "token_ids": [5, 6], "logprobs": None, "finish_reason": "stop",
-             "t": time.time()},
-            {"type": "done", "t": time.time(), "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}]
+def events(text: str = " there was") -> list[Event]:
+    return [DeltaEvent(0, text, (5, 6), finish_reason="stop", t=time.time()), DoneEvent(Usage(4, 2), time.time())]
 
 
 def test_a_retried_request_submission_answers_the_first_and_queues_one_task(app, client, broker):

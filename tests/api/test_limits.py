@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from app import limits
-from app.config import Settings
-from app.models import Request
+from llmq.settings import Settings
+from llmq.store.models import Request
 
 MODEL = "stories260k"
 
@@ -50,7 +50,7 @@ def assert_rate_limited(response, words: str) -> int:
 
 
 def count_requests(app) -> int:
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         return session.query(Request).count()
 
 
@@ -165,7 +165,7 @@ def test_a_batch_carries_its_keys_max_tokens_limit_to_the_workers(make_app, new_
     """The web cannot see inside a batch's lines' run; it stamps the key's limit on the batch, and the
     worker that expands the file turns each line asking for more into an error line
     (tests/test_batch_lifecycle.py checks that side)."""
-    from app.models import Batch
+    from llmq.store.models import Batch
 
     app = make_app()
     client = app.test_client()
@@ -177,7 +177,7 @@ def test_a_batch_carries_its_keys_max_tokens_limit_to_the_workers(make_app, new_
         batch = client.post("/v1/batches", headers=headers, json={"input_file_id": file_id,
                                                                   "endpoint": "/v1/completions",
                                                                   "completion_window": "24h"}).get_json()
-        with app.extensions["llmq_db"].read() as session:
+        with app.extensions["llmq"].db.read() as session:
             limits_by_key[max_tokens] = session.get(Batch, batch["id"]).max_tokens_limit
     assert limits_by_key == {8: 8, None: None}
 

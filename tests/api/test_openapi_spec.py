@@ -13,7 +13,8 @@ import pytest
 from openapi_spec_validator import OpenAPIV31SpecValidator
 
 from app import create_app
-from app.config import Settings
+from llmq.settings import Settings
+from tests.conftest import STORIES_DIR
 
 HTTP_METHODS = {"get", "post", "put", "patch", "delete"}
 PUBLIC_OPERATIONS = {("/health", "get")}
@@ -26,7 +27,7 @@ def app(tmp_path_factory, redis_url, migrated_db):
     home = tmp_path_factory.mktemp("home")
     shutil.copy(migrated_db, home / "llmq.db")
     settings = Settings(home=home, database_url=f"sqlite:///{home / 'llmq.db'}", redis_url=redis_url,
-                        model_path=str(home / "no-model"), model_name="some-model")
+                        model_path=str(STORIES_DIR), model_name="some-model")
     return create_app(settings)
 
 

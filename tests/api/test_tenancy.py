@@ -3,7 +3,7 @@ streams. Another tenant's id answers exactly what an id that exists nowhere answ
 body, the id aside), so ids reveal nothing; lists show only the caller's rows.
 
 Real Redis, a real migrated SQLite database, the real app; the batch bookkeeping a worker would do
-runs through workers.batch_lifecycle, as in test_files_batches_api.py.
+runs through llmq.store.batch_lifecycle, as in test_files_batches_api.py.
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import json
 import pytest
 import redis
 
-from app.models import Batch, Request
-from app.streams import cancel_key, publish_events
-from workers import batch_lifecycle
+from llmq.events import DeltaEvent, cancel_key
+from llmq.store import batch_lifecycle
+from llmq.store.models import Batch, Request
+from llmq.streams import publish_events
 
 MODEL = "stories260k"
 BATCH_INPUT = (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
@@ -47,9 +48,9 @@ def create_batch(client, headers, file_id: str):
 def finished_batch(app, client, headers) -> dict:
     """A batch of `headers`' tenant that has run to the end: its output file exists."""
     batch_id = create_batch(client, headers, upload(client, headers)).get_json()["id"]
-    with app.extensions["llmq_db"].session() as session:
-        [item_id] = batch_lifecycle.expand_input(session, session.get(Batch, batch_id), MODEL, max_lines=10)
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
+        [item_id] = batch_lifecycle.expand_input(session, session.get(Batch, batch_id), app.extensions["llmq"].model, app.extensions["llmq"].tokenizer, max_lines=10)
+    with app.extensions["llmq"].db.session() as session:
         batch_lifecycle.record_result(session, item_id, "completed", batch_lifecycle.success_line("a", {"id": "x"}))
         assert batch_lifecycle.finalize_if_done(session, batch_id) == "completed"
     return client.get(f"/v1/batches/{batch_id}", headers=headers).get_json()
@@ -72,9 +73,8 @@ def test_another_tenants_ids_answer_as_unknown_ids(app, client, acme, globex, re
     output_file_id = finished_batch(app, client, acme)["output_file_id"]
     request_id = client.post("/v1/requests", headers=acme, json={"model": MODEL, "prompt": "Once", "max_tokens": 2}
                              ).get_json()["id"]
-    publish_events(redis.Redis.from_url(redis_url), request_id, [
-        {"type": "delta", "index": 0, "text": "secret", "token_ids": [5], "logprobs": None, "finish_reason": None,
-         "t": 1.0}], maxlen=100, ttl=60)
+    publish_events(redis.Redis.from_url(redis_url), request_id, [DeltaEvent(0, "secret", (5,), t=1.0)],
+                   maxlen=100, ttl=60)
 
     calls = {
         "GET file": lambda i: client.get(f"/v1/files/{i}", headers=globex),
@@ -107,7 +107,7 @@ def test_another_tenants_ids_answer_as_unknown_ids(app, client, acme, globex, re
     polled = client.get(f"/v1/requests/{request_id}", headers=acme).get_json()
     assert (polled["status"], polled["text"]) == ("queued", "secret")
     assert not redis.Redis.from_url(redis_url).exists(cancel_key(request_id))
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         assert session.query(Batch).filter_by(tenant="globex").count() == 0
 
 
@@ -116,7 +116,7 @@ def test_rows_and_output_files_belong_to_the_callers_tenant(app, client, acme, g
     request_id = client.post("/v1/requests", headers=globex, json={"model": MODEL, "prompt": "x"}).get_json()["id"]
     output = client.get(f"/v1/files/{batch['output_file_id']}", headers=globex).get_json()
     assert output["purpose"] == "batch_output"
-    with app.extensions["llmq_db"].session() as session:
+    with app.extensions["llmq"].db.session() as session:
         assert session.get(Batch, batch["id"]).tenant == "globex"
         assert session.get(Request, request_id).tenant == "globex"
 

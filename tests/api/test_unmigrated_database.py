@@ -1,8 +1,8 @@
 """A web process whose database has not been migrated (started before the Procfile's release step)
 answers every request with a 503 that says what to run, and serves once the database is migrated."""
 from app import create_app
-from app.config import Settings
-from app.local_stack import migrate
+from llmq.settings import Settings
+from stack.local import migrate
 
 
 def test_an_unmigrated_database_gets_a_503_that_says_what_to_run(tmp_path, redis_url):
@@ -23,5 +23,5 @@ def test_an_unmigrated_database_gets_a_503_that_says_what_to_run(tmp_path, redis
         assert response.status_code == 200
         assert [model["id"] for model in response.get_json()["data"]] == ["m"]
     finally:
-        flask_app.extensions["celery"].close()
-        flask_app.extensions["llmq_db"].engine.dispose()
+        flask_app.extensions["llmq"].celery.close()
+        flask_app.extensions["llmq"].db.engine.dispose()

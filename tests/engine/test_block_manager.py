@@ -6,9 +6,9 @@ front; a freed hashed block goes to the back (tail of a sequence before its head
 covers the block that holds the sequence's last token.
 """
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import SamplingParams
-from workers.engine.sequence import Sequence
+from llmq.engine.block_manager import BlockManager
+from llmq.engine.sequence import Sequence
+from llmq.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.config import InvalidRequest, SamplingParams
-from workers.engine.llm import LLM, LLMEngine
-from workers.engine.outputs import CompletionOutput, RequestDelta, TokenLogprob
-from workers.engine.sequence import Sequence
+from llmq.engine.llm import LLM, LLMEngine
+from llmq.engine.sequence import Sequence
+from llmq.errors import InvalidRequest
+from llmq.outputs import CompletionOutput, RequestDelta, TokenLogprob
+from llmq.sampling_params import SamplingParams
 
 ROOMY_KV_BYTES = 4 << 20  # ~400 blocks of 8 tokens: everything in this file fits at once
 BLOCK_SIZE = 8
@@ -801,7 +802,7 @@ def interrupt_after(engine: LLMEngine, prompt, params: SamplingParams, steps: in
 def test_a_resumed_sample_goes_on_exactly_where_it_stopped(reference, cached, once_upon, steps):
     """Interrupted on one engine, resumed on another from its tokens: the joined text and tokens equal
     an undisturbed run's, and the resumed deltas carry only what came after the checkpoint."""
-    from workers.engine.config import ResumePoint
+    from llmq.engine.config import ResumePoint
 
     tokens, text = interrupt_after(cached, "Once upon a time", greedy(60), steps)
     assert len(tokens) == steps
@@ -818,7 +819,7 @@ def test_a_resumed_sample_goes_on_exactly_where_it_stopped(reference, cached, on
 def test_a_resumed_sample_emits_the_text_held_back_for_a_stop_string(reference, cached, once_upon):
     """The interruption falls while a possible stop string's start is held back: the resumed run
     emits that text (it was no stop string) or cuts it (it was), exactly as an undisturbed run does."""
-    from workers.engine.config import ResumePoint
+    from llmq.engine.config import ResumePoint
 
     text = once_upon.text
     start = text.find(" ", len(text) // 3)
@@ -838,7 +839,7 @@ def test_a_resumed_sample_emits_the_text_held_back_for_a_stop_string(reference, 
 
 
 def test_a_resume_point_needs_one_sample_and_room_to_go_on(cached, once_upon):
-    from workers.engine.config import ResumePoint
+    from llmq.engine.config import ResumePoint
 
     with pytest.raises(InvalidRequest) as err:
         cached.add_request(new_id(), "Once upon a time", greedy(10, n=2), resume=ResumePoint((1, 2)))

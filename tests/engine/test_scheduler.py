@@ -7,10 +7,10 @@ made-up token id per `batch.samplers`. Block size 4 throughout; expected values 
 
 import pytest
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import SamplingParams
-from workers.engine.scheduler import ScheduledBatch, Scheduler
-from workers.engine.sequence import Sequence, SequenceStatus
+from llmq.engine.block_manager import BlockManager
+from llmq.engine.scheduler import ScheduledBatch, Scheduler
+from llmq.engine.sequence import Sequence, SequenceStatus
+from llmq.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from workers.model import checkpoint
-from workers.model.checkpoint import (
+from llmq.model import checkpoint
+from llmq.model.checkpoint import (
     DEFAULT_MODEL_NAME,
     byte_level_tokenizer_json,
     default_model_config,
@@ -80,7 +80,7 @@ def test_same_seed_gives_identical_bytes_and_other_seed_differs(tmp_path):
 
 def test_tokenizer_json_is_the_same_in_another_process():
     # The merge trainer must not depend on hash or dict order, which PYTHONHASHSEED changes.
-    code = "import hashlib; from workers.model.checkpoint import byte_level_tokenizer_json as t; " \
+    code = "import hashlib; from llmq.model.checkpoint import byte_level_tokenizer_json as t; " \
            "print(hashlib.sha256(t().encode()).hexdigest())"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -38,10 +38,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from workers.engine.config import EngineConfig, SamplingParams
-from workers.engine.llm import LLM, LLMEngine
-from workers.model.loader import ModelLoadError, load_model
-from workers.model.model_config import ModelConfigError
+from llmq.engine.config import EngineConfig
+from llmq.engine.llm import LLM, LLMEngine
+from llmq.model.loader import ModelLoadError, load_model
+from llmq.model.model_config import ModelConfigError
+from llmq.sampling_params import SamplingParams
 
 ATOL = 1e-4  # on log-probabilities, float32 on CPU
 TOP_K = 5

@@ -3,9 +3,9 @@ parameters sample (a step that raised would fail every request in the batch)."""
 import pytest
 import torch
 
-from workers.engine.config import SamplingParams
-from workers.engine.sequence import Sequence
-from workers.model.sampler import greedy_argmax, sample
+from llmq.engine.sequence import Sequence
+from llmq.model.sampler import greedy_argmax, sample
+from llmq.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 256, 512, 32000, 32001, 128256])

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from llmq.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STORIES_FOLDER = REPO_ROOT.parent / "shared" / "models" / "stories260k"
+STORIES_FOLDER = REPO_ROOT / "tests" / "fixtures" / "stories260k"
 
 TEXTS = [
     "Once upon a time",
@@ -35,8 +35,6 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def stories_folder() -> Path:
-    if not (STORIES_FOLDER / "tokenizer.json").is_file():
-        pytest.skip(f"model fixture not present at {STORIES_FOLDER} (it lives outside the repository)")
     return STORIES_FOLDER
 
 
@@ -187,7 +185,7 @@ def test_missing_tokenizer_json_is_named(stories_folder, tmp_path):
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, workers.model.tokenizer; sys.exit('torch' in sys.modules)"
+    code = "import sys, llmq.model.tokenizer; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
 
 

@@ -1,32 +1,32 @@
-"""The service tier: a real Redis server, real Celery worker processes, the web app on a real server."""
+"""The service tier: a real Redis server, real Celery worker processes, the web app on a real server,
+serving a model the project makes itself (random weights, so the tests run in any clone)."""
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 
-import pytest
 import httpx
+import pytest
 
-from app.local_stack import LocalStack
+from llmq.model.checkpoint import byte_level_tokenizer_json, default_tokenizer_config, write_llama_checkpoint
+from stack.local import LocalStack
 
-MODEL_NAME = "stories260k"
+MODEL_NAME = "llmq-service-test"
 
-
-# stories260k has no chat template; the served copy gets a simple one so the chat API can be tested.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+# stories260k's shape (small enough for a 2-core machine, a 512-token context), random weights and
+# the default model's byte-level tokenizer and chat template.
+SERVED_MODEL_CONFIG = {
+    "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+    "intermediate_size": 172, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
 
 
 @pytest.fixture(scope="session")
-def served_model_dir(stories_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models") / MODEL_NAME
-    shutil.copytree(stories_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return folder
+def served_model_dir(tmp_path_factory) -> Path:
+    return write_llama_checkpoint(tmp_path_factory.mktemp("models") / MODEL_NAME, SERVED_MODEL_CONFIG, seed=0,
+                                  tokenizer_json=byte_level_tokenizer_json(),
+                                  tokenizer_config={**default_tokenizer_config(), "model_max_length": 512})
 
 
 @pytest.fixture(scope="session")

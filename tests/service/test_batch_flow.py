@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from llmq.engine.llm import LLM
+from llmq.sampling_params import SamplingParams
 from tests.service.conftest import MODEL_NAME, wait_until
-from workers.engine import SamplingParams
-from workers.engine.llm import LLM
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was",
            "Mom said", "A big red ball", "They went to the park", "The bird sang", "Ben had a toy",
@@ -16,8 +16,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom
 
 
 @pytest.fixture(scope="module")
-def offline(stories_dir):
-    outputs = LLM(str(stories_dir)).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+def offline(served_model_dir):
+    outputs = LLM(str(served_model_dir)).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     return {p: o.text for p, o in zip(PROMPTS, outputs)}
 
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from app.local_stack import REPO_ROOT, free_port
+from stack.local import REPO_ROOT, free_port
 from tests.service.conftest import MODEL_NAME, wait_until
 
 

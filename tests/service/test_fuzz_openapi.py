@@ -2,7 +2,7 @@
 
 Every operation of GET /openapi.json gets valid and invalid requests, generated from the document
 the app serves, sent to the real app (in process, through WSGI) with a real Redis server, a migrated
-SQLite database and a real Celery worker serving stories260k (the service stack of conftest.py).
+SQLite database and a real Celery worker serving the project-made test model (the service stack of conftest.py).
 Each answer must hold to: no 5xx, no traceback in any body, every 4xx in the OpenAI error shape, the
 documented status codes, content types and response schemas, invalid input refused, and a request
 accepted with 202 never failing in the worker as the server's error.
@@ -34,8 +34,12 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.hypothesis.builder import HypothesisTestConfig, HypothesisTestMode, create_test
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_schema_conformance, status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from app.openapi import openapi_document
 from tests.service.conftest import MODEL_NAME

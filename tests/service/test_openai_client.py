@@ -5,9 +5,10 @@ import json
 import openai
 import pytest
 
+from llmq.engine.llm import LLM
+from llmq.model.tokenizer import Tokenizer
+from llmq.sampling_params import SamplingParams
 from tests.service.conftest import MODEL_NAME, wait_until
-from workers.engine import SamplingParams
-from workers.engine.llm import LLM
 
 
 @pytest.fixture()
@@ -16,17 +17,18 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def greedy(stories_dir):
-    llm = LLM(str(stories_dir))
+def greedy(served_model_dir):
+    llm = LLM(str(served_model_dir))
     return lambda prompt, n: llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].text
 
 
-def test_models_and_completion(client, greedy):
+def test_models_and_completion(client, greedy, served_model_dir):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     completion = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=20, temperature=0)
     assert completion.object == "text_completion"
     assert completion.choices[0].text == greedy("Once upon a time", 20)
-    assert completion.usage.completion_tokens == 20 and completion.usage.prompt_tokens == 5
+    prompt_tokens = len(Tokenizer.from_folder(served_model_dir).encode("Once upon a time"))
+    assert completion.usage.completion_tokens == 20 and completion.usage.prompt_tokens == prompt_tokens
 
 
 def test_streaming_completion(client, greedy):

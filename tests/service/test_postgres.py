@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.local_stack import LocalStack, free_port, migrate
+from stack.local import LocalStack, free_port, migrate
 from tests.service.conftest import MODEL_NAME, wait_until
 
 
@@ -58,7 +58,7 @@ def test_migrations_build_the_models_schema_on_postgres(postgres_url):
     from alembic.migration import MigrationContext
     from sqlalchemy import create_engine
 
-    from app.models import Base
+    from llmq.store.models import Base
 
     migrate(postgres_url)
     engine = create_engine(postgres_url)

@@ -19,12 +19,12 @@ import pytest
 import redis
 import sqlalchemy
 
-from app.local_stack import LocalStack
-from app.streams import read_progress
+from llmq.engine.llm import LLM
+from llmq.sampling_params import SamplingParams
+from llmq.streams import read_progress
+from stack.local import LocalStack
 from tests.service.conftest import MODEL_NAME, wait_until
 from tests.service.test_streams import sse_events
-from workers.engine import SamplingParams
-from workers.engine.llm import LLM
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom", "The sun was", "Mom said",
            "A big red ball", "They went to the park", "The bird sang", "Ben had a toy", "She was very happy",
@@ -40,9 +40,9 @@ FAULT_ENV = {"LLMQ_MAX_NUM_SEQS": "6", "LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISI
 
 
 @pytest.fixture(scope="module")
-def offline(stories_dir) -> dict[str, str]:
+def offline(served_model_dir) -> dict[str, str]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = LLM(str(stories_dir)).generate(PROMPTS, params, use_tqdm=False)
+    outputs = LLM(str(served_model_dir)).generate(PROMPTS, params, use_tqdm=False)
     return {prompt: output.text for prompt, output in zip(PROMPTS, outputs)}
 
 

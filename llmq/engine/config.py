@@ -1,0 +1,55 @@
+"""Engine configuration and resume points: frozen dataclasses, validated on creation. No torch here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an interrupted sample stopped, so another engine can carry it on: the tokens it had
+    generated and how much of their text was already streamed (text that could start a stop string is
+    held back, so that can be less than the tokens' text). The engine recomputes the KV of prompt +
+    tokens in one prefill, exactly as after a preemption, and generates on from there."""
+
+    output_token_ids: tuple[int, ...]
+    num_emitted_chars: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. `model` is a Hugging Face model folder.
+
+    KV cache size: on CUDA, `gpu_memory_utilization` of device memory minus weights and the measured
+    activation peak; on CPU, `kv_cache_bytes` (capped at what max_num_seqs full-length sequences need).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 8
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    seed: int = 0  # seeds the generators of requests that give no seed of their own
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

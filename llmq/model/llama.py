@@ -1,0 +1,133 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM, Qwen2), stateless.
+
+Parameter names are Hugging Face's, except that q/k/v and gate/up are stored fused
+(`qkv_proj`, `gate_up_proj`): one wide matrix product instead of three (two) narrow ones, which is
+what makes decode-shaped work efficient. The loader fills the fused weights by name.
+
+The model holds weights only. The KV cache and the attention metadata are passed into `forward`,
+so one model instance is shared read-only by every request.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmq.model.attention import AttentionMetadata, paged_attention, write_kv
+from llmq.model.model_config import ModelConfig
+from llmq.model.rope import apply_rope, rope_cache
+
+
+def _weight(*shape, device, dtype) -> nn.Parameter:
+    # Allocated uninitialised: the loader overwrites every element.
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype):
+        super().__init__()
+        self.weight = _weight(out_features, in_features, device=device, dtype=dtype)
+        self.bias = _weight(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device, dtype):
+        super().__init__()
+        self.weight = _weight(size, device=device, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32 whatever the weights' dtype, then scale in the weights' dtype, as transformers does.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * Dh]
+        # q and k sit side by side: rotate both in one pass.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)  # [T, H+KVH, Dh]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, H, Dh], [T, KVH, Dh]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, config.mlp_bias, device, dtype)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias, device, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(config, device, dtype)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, device="cpu", dtype=torch.float32):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, device, dtype)
+        # Tied models share the embedding matrix: the loader skips lm_head.weight for them.
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, device, dtype))
+        cos, sin = rope_cache(config, max_positions, device, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (before the final norm)."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, Dh]
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] of the tokens that sample -> float32 logits [S, vocab]."""
+        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()

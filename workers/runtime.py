@@ -1,0 +1,25 @@
+"""WorkerRuntime: what a worker's tasks use, built once when the worker starts and passed to them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from llmq.protocol.prepare import ServedModel
+from llmq.settings import Settings
+from llmq.store.database import Database
+from workers.engine_client import EngineClient
+from workers.leases import Leases
+from workers.publisher import StreamPublisher
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    settings: Settings  # bootstrapped: redis_url and model_path are set
+    db: Database
+    redis: redis.Redis
+    publisher: StreamPublisher  # for the events the task threads write themselves (a request's end)
+    engine: EngineClient
+    model: ServedModel  # what batch lines are prepared for
+    leases: Leases
+    name: str  # the worker's Celery hostname, as its heartbeats and leases say it
