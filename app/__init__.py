@@ -10,7 +10,6 @@ from app.services import EXTENSION, WebServices
 from app.stream_hub import StreamHub
 from llmq.bootstrap import bootstrap
 from llmq.celery_config import celery_config
-from llmq.model.model_config import ModelConfig
 from llmq.model.tokenizer import Tokenizer
 from llmq.protocol.prepare import ServedModel
 from llmq.redis_client import redis_client
@@ -30,8 +29,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions[EXTENSION] = WebServices(
         settings=settings, db=Database(settings.database_url), redis=client, stream_hub=StreamHub(client),
         celery=_celery_app(app.name, settings), tokenizer=Tokenizer.from_folder(settings.model_path),
-        model=ServedModel.of(settings.resolved_model_name(), ModelConfig.from_folder(settings.model_path),
-                             settings.max_num_seqs))
+        model=ServedModel.of_settings(settings))
 
     from app import auth, idempotency, limits
     from app.api import register_blueprints

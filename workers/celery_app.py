@@ -24,11 +24,11 @@ from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 
 from llmq.bootstrap import bootstrap
 from llmq.celery_config import celery_config
-from llmq.model.model_config import ModelConfig
 from llmq.protocol.prepare import ServedModel
 from llmq.redis_client import redis_client
 from llmq.store.database import Database
 from workers import background
+from workers.engine_client import EngineClient
 from workers.leases import Leases
 from workers.publisher import StreamPublisher
 from workers.runtime import WorkerRuntime
@@ -60,20 +60,19 @@ def start_engine(sender=None, **_):
     except Exception:
         # Celery logs what a worker_init handler raises and starts consuming anyway: a worker with no
         # engine would take tasks it cannot run. SystemExit is not caught there: the worker exits.
-        log.critical("the engine could not start (above); this worker exits", exc_info=True)
+        log.critical("the engine could not start; this worker exits", exc_info=True)
         raise SystemExit(1) from None
     name = getattr(sender, "hostname", None) or "worker"
     runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
                             publisher=publisher, engine=engine,
-                            model=ServedModel.of(settings.resolved_model_name(),
-                                                 ModelConfig.from_folder(settings.model_path), settings.max_num_seqs),
+                            model=ServedModel.of_settings(settings),
                             leases=Leases(client, name, settings.lease_seconds), name=name)
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)
     log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), settings.model_path)
 
 
-def _engine_client(publisher: StreamPublisher):
+def _engine_client(publisher: StreamPublisher) -> EngineClient:
     """The engine in a process of its own (the default), or in this one (LLMQ_ENGINE_PROCESS=0)."""
     if settings.engine_process:
         from workers.engine_process import EngineOptions, EngineProcess

@@ -8,10 +8,10 @@ StepWriter, which writes them to Redis in one round trip (on a GPU while the nex
 tokens reach streaming clients as they are made. A cancel published on
 `llmq:cancel` aborts the request at the next step and frees its KV blocks.
 
-Those published events are also each request's checkpoint: `run(..., resume_from=...)` takes the
-progress read back from a request's stream and goes on from it (a worker died or handed the request
-back), and `hand_back()` ends every request in flight with HandedBack, so a stopping worker returns
-its work to the queue at once instead of finishing it.
+Those published events are also each request's checkpoint: an EngineRequest's `resume_from` is the
+progress read back from the request's stream, and the request goes on from it (a worker died or
+handed it back). `hand_back()` ends every request in flight with HandedBack, so a stopping worker
+returns its work to the queue at once instead of finishing it.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from celery.exceptions import Reject
 
 from llmq.errors import InvalidRequest
 from llmq.events import ErrorEvent, StreamProgress
-from llmq.protocol.openai import batch_error_line
+from llmq.protocol.openai import batch_error_line, new_id
 from llmq.protocol.prepare import CHAT, COMPLETION, PreparedRequest, prepare
 from llmq.settings import queue_name
 from llmq.store import batch_lifecycle
@@ -31,7 +31,6 @@ from llmq.store.models import (
     ItemStatus,
     Request,
     RequestStatus,
-    new_id,
 )
 from llmq.streams import is_cancelled, read_progress
 from workers.completion_runner import execute

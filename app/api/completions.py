@@ -22,9 +22,10 @@ from app.services import services
 from app.sse import DONE, HEARTBEAT, sse_data
 from app.stream_hub import StreamHub
 from llmq.events import StreamProgress
+from llmq.protocol.openai import new_id
 from llmq.protocol.prepare import CHAT, COMPLETION, prepare
 from llmq.protocol.responses import ChunkBuilder, ResponseSpec, error_reply, response_object
-from llmq.store.models import Request, RequestStatus, new_id
+from llmq.store.models import Request, RequestStatus
 from llmq.streams import request_cancel
 
 blueprint = Blueprint("completions", __name__, url_prefix="/v1")

@@ -18,6 +18,7 @@ from llmq.model.tokenizer import Tokenizer, TokenizerError
 from llmq.protocol.openai import parse_chat_request, parse_completion_request
 from llmq.protocol.responses import ResponseSpec
 from llmq.sampling_params import SamplingParams
+from llmq.settings import Settings
 
 COMPLETION, CHAT = "completion", "chat"
 
@@ -36,6 +37,12 @@ class ServedModel:
     def of(cls, name: str, config: ModelConfig, max_num_seqs: int) -> "ServedModel":
         context = min(config.max_position_embeddings, config.sliding_window or config.max_position_embeddings)
         return cls(name, context, config.vocab_size, max_num_seqs)
+
+    @classmethod
+    def of_settings(cls, settings: Settings) -> "ServedModel":
+        """The model bootstrapped settings serve, as the web and the workers both prepare for it."""
+        return cls.of(settings.resolved_model_name(), ModelConfig.from_folder(settings.model_path),
+                      settings.max_num_seqs)
 
 
 @dataclass(frozen=True)
