@@ -8,7 +8,9 @@ on flask.g: `g.tenant`, and `g.api_key` (the ApiKey row, or None on an open inst
 """
 from __future__ import annotations
 
-from flask import current_app, g, request
+import threading
+
+from flask import g, request
 
 from app.errors import APIError
 from app.services import services
@@ -19,7 +21,6 @@ from llmq.store.models import DEFAULT_TENANT, ApiKey
 # Every route of these blueprints is open: load balancers probe health without a key. Everything
 # else, the OpenAPI description included, is for key holders once keys exist (fetch it with yours).
 PUBLIC_BLUEPRINTS = ("health",)
-_KEYS_IN_USE = "llmq_keys_in_use"
 
 
 def is_public() -> bool:
@@ -38,8 +39,9 @@ def authenticate() -> None:
     """before_request: set g.tenant and g.api_key, or raise 401."""
     if is_public():
         return
-    database: Database = services().db
-    if not _keys_in_use(database):
+    web = services()
+    database = web.db
+    if not _keys_in_use(database, web.keys_seen):
         g.tenant, g.api_key = DEFAULT_TENANT, None
         return
     secret = _bearer_secret()
@@ -60,15 +62,15 @@ def unauthorized(message: str) -> APIError:
                     headers={"WWW-Authenticate": 'Bearer realm="llmq"'})
 
 
-def _keys_in_use(database: Database) -> bool:
-    """Keys are never deleted, so once any exists the answer stays yes: cached for the process. While
-    none does, every call asks, so the first key (made by `llmq keys create`) closes the server at once."""
-    if current_app.extensions.get(_KEYS_IN_USE):
+def _keys_in_use(database: Database, keys_seen: threading.Event) -> bool:
+    """Keys are never deleted, so once any exists the answer stays yes: `keys_seen`, for the process.
+    While none does, every call asks, so the first key (made by `llmq keys create`) closes the server at once."""
+    if keys_seen.is_set():
         return True
     with database.read() as session:
         in_use = any_key_exists(session)
     if in_use:
-        current_app.extensions[_KEYS_IN_USE] = True
+        keys_seen.set()
     return in_use
 
 

@@ -2,7 +2,8 @@
 app (`current_app.extensions["llmq"]`), not found through module globals or filled in by handlers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
@@ -26,6 +27,8 @@ class WebServices:
     celery: Celery  # sends tasks by name; the web registers none
     tokenizer: Tokenizer  # the served model's (torch-free)
     model: ServedModel  # what requests are prepared for
+    # Set once an API key exists (keys are never deleted): from then on every request needs one.
+    keys_seen: threading.Event = field(default_factory=threading.Event)
 
 
 def services() -> WebServices:

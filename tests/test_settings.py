@@ -1,8 +1,13 @@
-"""Settings read from the environment: the engine's nice value, where its stream writes run."""
+"""Settings read from the environment (the engine's nice value, where its stream writes run), and the
+bootstrap step that starts and makes what they leave to llmq."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
+from llmq.bootstrap import bootstrap
+from llmq.model.checkpoint import DEFAULT_MODEL_NAME
 from llmq.settings import Settings
 
 
@@ -53,3 +58,23 @@ def test_the_engine_runs_in_a_process_of_its_own_unless_told_not_to(monkeypatch,
     if value is not None:
         monkeypatch.setenv("LLMQ_ENGINE_PROCESS", value)
     assert Settings.from_env().engine_process is expected
+
+
+def test_reading_settings_starts_nothing_and_bootstrap_fills_in_the_default_model(monkeypatch, tmp_path, redis_url):
+    for name in ("MODEL_PATH", "MODEL_NAME", "REDIS_URL", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMQ_HOME", str(tmp_path))
+    settings = Settings.from_env()
+    assert list(tmp_path.iterdir()) == []  # no model written, no Redis started
+    assert (settings.model_path, settings.redis_url, settings.bootstrapped) == (None, None, False)
+    with pytest.raises(RuntimeError, match="bootstrap"):
+        settings.engine_config()
+
+    monkeypatch.setenv("REDIS_URL", redis_url)  # a Redis of the test's own, so no embedded one starts
+    ready = bootstrap(Settings.from_env())
+    assert ready.bootstrapped and ready.redis_url == redis_url
+    assert Path(ready.model_path) == tmp_path / "models" / DEFAULT_MODEL_NAME
+    assert (Path(ready.model_path) / "config.json").is_file() and ready.resolved_model_name() == DEFAULT_MODEL_NAME
+    config = ready.engine_config()
+    assert (config.model, config.device, config.max_num_seqs) == (ready.model_path, "cpu", ready.max_num_seqs)
+    assert bootstrap(ready) is ready  # bootstrapped settings are left as they are
