@@ -40,7 +40,8 @@ def make_engine(url: str) -> Engine:
 
 
 class Database:
-    """app.extensions["llmq_db"]: one engine per process, a short session per unit of work."""
+    """One engine per process (the web's WebServices.db, the worker's WorkerRuntime.db), a short
+    session per unit of work."""
 
     def __init__(self, url: str):
         self.url = url
