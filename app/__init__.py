@@ -8,6 +8,7 @@ from flask import Flask
 
 from app.services import EXTENSION, WebServices
 from app.stream_hub import StreamHub
+from app.strict_json import StrictJSONProvider
 from llmq.bootstrap import bootstrap
 from llmq.celery_config import celery_config
 from llmq.model.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     error handlers."""
     settings = bootstrap(settings)
     app = Flask(__name__)
+    app.json = StrictJSONProvider(app)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app.config.update(MAX_CONTENT_LENGTH=settings.max_upload_bytes)
     client = redis_client(settings.redis_url, settings.redis_retry_seconds)

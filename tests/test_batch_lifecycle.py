@@ -138,3 +138,29 @@ def test_a_batch_ends_only_when_no_line_is_pending_or_running(db, batch_id):
         assert batch_lifecycle.finalize_if_done(session, batch_id) == "completed"
         batch = session.get(Batch, batch_id)
         assert (batch.total, batch.completed, batch.failed) == (5, 3, 1)
+
+
+def test_lines_end_at_newlines_only_and_a_pathological_line_is_one_error_line(db):
+    """A prompt holding U+2028 (legal unescaped in JSON) stays one line; a line nested beyond the
+    parser's limit is one error line; the lines after both keep their numbers."""
+    lines = [json.dumps({"custom_id": "sep", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "a\u2028b\u0085c", "max_tokens": 2}}, ensure_ascii=False),
+             '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}",
+             json.dumps({"custom_id": "after", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "hi", "max_tokens": 2}})]
+    content = ("\r\n".join(lines) + "\n").encode()
+    with db.session() as session:
+        file = File(filename="in.jsonl", purpose="batch", bytes=len(content), content=content)
+        session.add(file)
+        session.flush()
+        batch = Batch(endpoint="/v1/completions", model="m", input_file_id=file.id)
+        session.add(batch)
+        session.flush()
+        assert len(batch_lifecycle.expand_input(session, batch, SERVED, TOKENIZER, max_lines=100)) == 2
+        assert (batch.status, batch.total, batch.failed) == ("in_progress", 3, 1)
+        batch_id = batch.id
+    by_line = {item.line: item for item in items(db, batch_id)}
+    assert [(n, by_line[n].custom_id, by_line[n].status) for n in (1, 2, 3)] == [
+        (1, "sep", "pending"), (2, None, "failed"), (3, "after", "pending")]
+    assert by_line[1].prepared["prompt_token_ids"] == [TOKENIZER.encode("a\u2028b\u0085c")]
+    assert json.loads(by_line[2].result)["error"]["code"] == "invalid_json"

@@ -5,9 +5,12 @@ import pytest
 
 from llmq.errors import InvalidRequest
 from llmq.protocol.openai import (
+    BadJSON,
     BatchLineError,
     batch_error_line,
     batch_output_line,
+    jsonl_lines,
+    loads,
     parse_batch_line,
     parse_chat_request,
     parse_completion_request,
@@ -127,3 +130,61 @@ def test_batch_output_and_error_line_shapes():
                                "body": {"id": "cmpl-1", "object": "text_completion"}}
     err = batch_error_line("y", "invalid_request", "bad", line=4)
     assert err["response"] is None and err["error"] == {"code": "invalid_request", "message": "bad", "line": 4}
+
+
+# ---- JSON in: what Python's parser takes and a client's document must not hold -------------------
+
+@pytest.mark.parametrize("text, says", [
+    ('{"temperature": NaN}', "NaN"), ('{"temperature": Infinity}', "Infinity"), ('{"t": -Infinity}', "-Infinity"),
+    ('{"temperature": 1e309}', "too large"), ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"a": ', "Expecting value"),
+])
+def test_loads_refuses_what_is_not_json_or_breaks_the_parser(text, says):
+    with pytest.raises(BadJSON, match=says):
+        loads(text)
+
+
+def test_loads_takes_ordinary_json():
+    assert loads('{"temperature": 0.5, "n": 2, "stop": ["\\u2028"]}') == {"temperature": 0.5, "n": 2, "stop": ["\u2028"]}
+
+
+def test_jsonl_lines_end_at_newlines_only():
+    prompt = "a\u2028b\u2029c\u0085d\x1ce\x0bf"  # legal, unescaped, inside a JSON string
+    lines = [json.dumps({"custom_id": "x", "prompt": prompt}, ensure_ascii=False), "", "  ", '{"custom_id": "y"}\r']
+    numbered = jsonl_lines("\n".join(lines) + "\n")
+    assert [n for n, _ in numbered] == [1, 4]
+    assert json.loads(numbered[0][1])["prompt"] == prompt and numbered[1][1] == '{"custom_id": "y"}'
+
+
+def test_a_deeply_nested_batch_line_is_one_error_line():
+    with pytest.raises(BatchLineError) as refused:
+        parse_batch_line('{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}", 7)
+    assert (refused.value.code, refused.value.line) == ("invalid_json", 7)
+    assert "nested too deeply" in str(refused.value)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": ["fine", "\udfff"]}, "prompt"),
+    ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+])
+def test_a_lone_surrogate_is_refused_naming_its_field(body, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_completion_request({"model": "m", **body})
+    assert refused.value.param == param and "lone surrogate" in str(refused.value)
+
+
+@pytest.mark.parametrize("message, param", [({"role": "user", "content": "\ud800"}, "messages[0].content"),
+                                            ({"role": "us\udc00er", "content": "hi"}, "messages[0].role")])
+def test_a_lone_surrogate_in_a_message_is_refused_naming_it(message, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_chat_request({"model": "m", "messages": [message]})
+    assert refused.value.param == param
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -float("inf")])
+def test_sampling_numbers_must_be_finite_however_they_arrive(field, value):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_completion_request({"model": "m", "prompt": "hi", field: value})
+    assert refused.value.param == field

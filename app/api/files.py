@@ -17,6 +17,7 @@ from app.auth import current_tenant
 from app.errors import APIError, not_found
 from app.limits import check_batch_lines, current_limits
 from app.serializers import file_deleted_object, file_object
+from llmq.protocol.openai import jsonl_lines
 from llmq.store.models import File
 
 blueprint = Blueprint("files", __name__, url_prefix="/v1")
@@ -51,7 +52,7 @@ def upload_file():
                             "(LLMQ_MAX_UPLOAD_BYTES, or your API key's own limit)", param="file",
                        code="request_too_large")
     if purpose == "batch":  # refused now rather than failing the batch made from it later
-        check_batch_lines(sum(1 for line in content.splitlines() if line.strip()))
+        check_batch_lines(len(jsonl_lines(content.decode("utf-8", "replace"))))  # as the batch counts them
     filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     with db().session() as session:
         file = File(tenant=current_tenant(), filename=filename, purpose=purpose, bytes=len(content),

@@ -5,6 +5,7 @@ Shared by the offline batch runner and the web API, so a body accepted by one is
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,8 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
         logprobs=logprobs)
     if len(params.stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"stop takes at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    for stop in params.stop:
+        check_text(stop, "stop")
     return params
 
 
@@ -117,6 +120,9 @@ def _prompts(prompt) -> list[str | list[int]]:
                              "token-id lists, and not empty", "prompt")
     if any(len(p) == 0 for p in prompts):
         raise InvalidRequest("prompt must not be empty", "prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            check_text(p, "prompt")
     return prompts
 
 
@@ -142,6 +148,53 @@ def completion_logprobs(logprobs: list[TokenLogprob], token_text, start_offset: 
     }
 
 
+# ---- JSON in -----------------------------------------------------------------------------------
+
+class BadJSON(ValueError):
+    """JSON that llmq refuses though Python's parser would take it, or that the parser chokes on."""
+
+
+def _refuse_constant(name: str):
+    raise BadJSON(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e309
+        raise BadJSON(f"{text[:20]} is too large a number")
+    return value
+
+
+def loads(text: str | bytes):
+    """json.loads, strict where a client's document must be: no NaN or Infinity (Python's parser takes
+    them, JSON does not), no number beyond a float's range, and nesting too deep for the parser (its
+    RecursionError) refused as BadJSON, as any other malformed document is."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BadJSON("it is nested too deeply") from None
+    except json.JSONDecodeError as err:
+        raise BadJSON(err.msg) from None
+
+
+def jsonl_lines(text: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a JSONL file, numbered from 1. Lines end at "\n" (or "\r\n") and nowhere
+    else: str.splitlines() also splits on U+2028, U+2029, U+0085 and others that a JSON string may
+    hold unescaped."""
+    return [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+def check_text(value: str, param: str) -> str:
+    """A string that can be encoded: one holding a lone surrogate ("\ud800" parses) cannot be
+    tokenized, nor written back in an answer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                             "text", param) from None
+    return value
+
+
 # ---- batch files ---------------------------------------------------------------------------
 
 class BatchLineError(ValueError):
@@ -162,9 +215,9 @@ class BatchLine:
 def parse_batch_line(text: str, line: int, endpoint: str = COMPLETIONS_ENDPOINT) -> BatchLine:
     """One JSONL request line: {"custom_id", "method": "POST", "url": endpoint, "body": {...}}."""
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise BatchLineError(f"line {line} is not valid JSON: {err.msg}", "invalid_json", line) from None
+        obj = loads(text)
+    except BadJSON as err:
+        raise BatchLineError(f"line {line} is not valid JSON: {err}", "invalid_json", line) from None
     if not isinstance(obj, dict):
         raise BatchLineError(f"line {line} must be a JSON object", "invalid_request", line)
     custom_id = obj.get("custom_id")
@@ -215,10 +268,10 @@ class ChatRequest:
 
 def _message_text(content, index: int) -> str:
     if isinstance(content, str):
-        return content
+        return check_text(content, f"messages[{index}].content")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                          for p in content):
-        return "".join(p["text"] for p in content)
+        return check_text("".join(p["text"] for p in content), f"messages[{index}].content")
     raise InvalidRequest(f"messages[{index}].content must be a string or a list of text parts "
                          '({"type": "text", "text": "..."})', f"messages[{index}].content")
 
@@ -234,6 +287,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        check_text(message["role"], f"messages[{i}].role")
         clean.append({"role": message["role"], "content": _message_text(message.get("content", ""), i)})
     _refuse_unsupported(body)
     top_logprobs = _default(body, "top_logprobs", 0)

@@ -23,6 +23,7 @@ from llmq.protocol.openai import (
     BatchLineError,
     batch_error_line,
     batch_output_line,
+    jsonl_lines,
     line_error_message,
     parse_batch_line,
 )
@@ -55,7 +56,7 @@ def expand_input(session: Session, batch: Batch, model: ServedModel, tokenizer: 
         text = content.decode("utf-8")
     except UnicodeDecodeError:
         return _fail_batch(batch, "invalid_file", "the input file is not UTF-8 text")
-    numbered = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    numbered = jsonl_lines(text)
     if not numbered:
         return _fail_batch(batch, "empty_file", "the input file has no request lines")
     if len(numbered) > max_lines:

@@ -108,6 +108,20 @@ def test_malformed_json_and_non_object_bodies(client, worker):
     assert worker.ids == []
 
 
+@pytest.mark.parametrize("data", ['{"prompt": "x", "temperature": Infinity}', '{"prompt": "x", "top_p": NaN}',
+                                  '{"prompt": "x", "temperature": 1e309}',
+                                  '{"prompt": ' + "[" * 50_000 + "]" * 50_000 + "}"])
+def test_numbers_json_does_not_allow_and_nesting_too_deep_are_invalid_json(client, worker, data):
+    assert_error(client.post("/v1/completions", data=data, content_type="application/json"), 400, code="invalid_json")
+    assert worker.ids == []
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(client, worker):
+    data = '{"model": "%s", "prompt": "Once \\ud800 upon"}' % MODEL
+    assert_error(client.post("/v1/completions", data=data, content_type="application/json"), 400, param="prompt")
+    assert worker.ids == []
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": "x"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
