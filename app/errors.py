@@ -34,8 +34,15 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return jsonify(body), status, headers or {}
 
 
+def excerpt(value, limit: int = 64) -> str:
+    """What a client sent, as an error message quotes it: whole when short, else its start and its
+    length (a 10 MB id is not echoed back)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def not_found(kind: str, object_id: str) -> APIError:
-    return APIError(404, f"No {kind} found with id '{object_id}'", param="id", code="not_found")
+    return APIError(404, f"No {kind} found with id '{excerpt(object_id)}'", param="id", code="not_found")
 
 
 def register_error_handlers(app: Flask) -> None:

@@ -94,7 +94,7 @@ def _json_body(name: str) -> dict:
     return {"required": True, "content": {"application/json": {"schema": ref(name)}}}
 
 
-_STREAM_ENTRY_ID = {"type": "string", "pattern": r"^(\d+(-\d+)?)?$"}  # a Redis stream entry id, or empty
+_STREAM_ENTRY_ID = {"type": "string", "pattern": r"^(\d{1,20}(-\d{1,20})?)?$"}  # a Redis stream entry id, or empty
 
 
 def _sse(event: str) -> dict:

@@ -57,3 +57,15 @@ def test_a_model_without_a_chat_template_says_so():
         prepare(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, TOKENIZER, MODEL)
     assert (refused.value.param, refused.value.code) == ("model", "no_chat_template")
     assert "model stories has no chat template" in str(refused.value)
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_it_is_encoded():
+    limit = MODEL.context_len * TOKENIZER.max_token_chars
+    assert TOKENIZER.max_token_chars >= max(len(TOKENIZER.token_text(i)) for i in range(TOKENIZER.vocab_size))
+    with pytest.raises(InvalidRequest) as refused:
+        prepare(COMPLETION, {"prompt": "a" * (limit + 1)}, TOKENIZER, MODEL)
+    assert refused.value.param == "prompt" and f"{limit + 1} characters" in str(refused.value)
+    with pytest.raises(InvalidRequest) as refused:  # at the bound it is encoded, and refused for its tokens
+        prepare(COMPLETION, {"prompt": "a" * limit}, TOKENIZER, MODEL)
+    assert refused.value.param == "prompt" and "tokens" in str(refused.value)
+    assert "characters" not in str(refused.value)

@@ -9,7 +9,7 @@ from flask import request
 from sqlalchemy.orm import Session
 
 from app.auth import current_tenant
-from app.errors import APIError, not_found
+from app.errors import APIError, excerpt, not_found
 from app.services import services
 from app.stream_hub import StreamHub
 from llmq.model.tokenizer import Tokenizer
@@ -49,8 +49,11 @@ def check_model(model: Any, required: bool = True) -> str:
         return served
     if model is None:
         raise APIError(400, "you must provide a model parameter", param="model", code="missing_model")
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {type(model).__name__}", param="model",
+                       code="invalid_request")
     if model != served:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served}'",
+        raise APIError(404, f"The model '{excerpt(model)}' does not exist; this server serves '{served}'",
                        param="model", code="model_not_found")
     return served
 

@@ -28,7 +28,7 @@ from sqlalchemy import update
 
 from app.api import common
 from app.api.completions import submit
-from app.errors import APIError
+from app.errors import APIError, excerpt
 from app.sse import HEARTBEAT, sse_event
 from app.stream_hub import StreamHub
 from llmq import events
@@ -40,7 +40,9 @@ from llmq.streams import entry_id_key, publish_events, request_cancel, stream_en
 blueprint = Blueprint("requests", __name__, url_prefix="/v1")
 
 _ENDPOINTS = {COMPLETION: "/v1/completions", CHAT: "/v1/chat/completions"}
-_STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+# Each part is below 2**64, so at most 20 digits: a longer one is refused before int() (which
+# refuses over 4,300 digits with a ValueError, that was a 500).
+_STREAM_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 _MAX_STREAM_ID_PART = 1 << 64  # a Redis stream entry id is two unsigned 64-bit integers
 
 
@@ -85,7 +87,7 @@ def request_events(request_id: str):
     row = _row(request_id)
     last_id = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0-0"
     if not _STREAM_ID.match(last_id):
-        raise APIError(400, f"Last-Event-ID must be a stream entry id such as 0-12 (the id of the last event received), got {last_id!r}",
+        raise APIError(400, f"Last-Event-ID must be a stream entry id such as 0-12 (the id of the last event received), got {excerpt(last_id)!r}",
                        param="last_event_id", code="invalid_request")
     if max(entry_id_key(last_id)) >= _MAX_STREAM_ID_PART:  # Redis refuses such an id: that was a 500
         raise APIError(400, f"Last-Event-ID {last_id!r} is past any stream entry id (each part is below 2**64)",

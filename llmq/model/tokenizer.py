@@ -6,6 +6,7 @@ must stay free of torch and transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -196,6 +197,13 @@ class Tokenizer:
         if self._adds_bos and text_ids[:1] == [self.bos_token_id]:
             ids = ids[1:]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """At least as many characters as any one token stands for (its vocabulary string is never
+        shorter than its text: byte-level and byte-fallback tokens spell a character in several), so a
+        text longer than n times this holds more than n tokens, which is known before encoding it."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`. Incomplete UTF-8 byte sequences come out as U+FFFD. No

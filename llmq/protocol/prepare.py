@@ -88,12 +88,12 @@ def prepare(kind: str, body: dict, tokenizer: Tokenizer, model: ServedModel) -> 
     if kind == CHAT:
         chat = parse_chat_request(body)
         params, stream, include_usage = chat.params, chat.stream, chat.include_usage
-        prompts, echo = [chat_prompt_ids(tokenizer, chat.messages, model.name)], False
+        prompts, echo = [chat_prompt_ids(tokenizer, chat.messages, model)], False
     else:
         completion = parse_completion_request(body)
         params, stream, include_usage, echo = (completion.params, completion.stream, completion.include_usage,
                                                completion.echo)
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in completion.prompts]
+        prompts = [_encode(tokenizer, p, model, "prompt") if isinstance(p, str) else p for p in completion.prompts]
     check_samples(params.n, model.max_num_seqs)
     for ids in prompts:
         check_token_ids(ids, model.vocab_size)
@@ -102,15 +102,26 @@ def prepare(kind: str, body: dict, tokenizer: Tokenizer, model: ServedModel) -> 
                            tuple(tokenizer.decode(ids) for ids in prompts) if echo else (), stream, include_usage)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], model_name: str) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], model: ServedModel) -> list[int]:
     """The rendered chat prompt's token ids. Templates write their own BOS, as in transformers'
     apply_chat_template(tokenize=True)."""
     if tokenizer.chat_template is None:
-        raise InvalidRequest(f"model {model_name} has no chat template, so it cannot serve /v1/chat/completions; use "
+        raise InvalidRequest(f"model {model.name} has no chat template, so it cannot serve /v1/chat/completions; use "
                              "/v1/completions with a plain prompt, or serve a model whose tokenizer_config.json "
                              "(or chat_template.jinja) has a chat_template", "model", code="no_chat_template")
     try:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except TokenizerError as err:  # e.g. the template raises on a role order it does not support
         raise InvalidRequest(f"the model's chat template rejected the messages: {err}", "messages") from None
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    return _encode(tokenizer, rendered, model, "messages", add_special_tokens=False)
+
+
+def _encode(tokenizer: Tokenizer, text: str, model: ServedModel, param: str, add_special_tokens: bool = True) -> list[int]:
+    """The text's token ids; a text too long for the context whatever its tokens (more characters than
+    the context's tokens can spell) is refused before it is encoded, which would cost a 10 MB prompt
+    seconds of the web's CPU."""
+    limit = model.context_len * tokenizer.max_token_chars
+    if len(text) > limit:
+        raise InvalidRequest(f"{param} is {len(text)} characters, more than this model's context of "
+                             f"{model.context_len} tokens can hold (at most {limit})", param)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -192,6 +192,25 @@ def test_last_event_id_past_redis_range_is_a_400(client, worker):
         assert last_id in err["message"]
 
 
+def test_a_last_event_id_too_long_to_parse_is_a_400_quoting_only_its_start(client, worker):
+    request_id = client.post("/v1/requests", json={"model": MODEL, "prompt": "hi"}).get_json()["id"]
+    last_id = "7" * 5000  # past what int() converts: that was a 500
+    err = assert_error(client.get(f"/v1/requests/{request_id}/events", headers={"Last-Event-ID": last_id}), 400,
+                       param="last_event_id", code="invalid_request")
+    assert "(5000 characters)" in err["message"] and len(err["message"]) < 300
+
+
+def test_a_model_that_is_not_a_string_is_a_400_and_a_long_one_is_quoted_short(client, worker):
+    err = assert_error(client.post("/v1/completions", json={"model": 7, "prompt": "hi"}), 400, param="model",
+                       code="invalid_request")
+    assert "model must be a string" in err["message"]
+    long_name = "m" * 100_000
+    err = assert_error(client.post("/v1/completions", json={"model": long_name, "prompt": "hi"}), 404,
+                       param="model", code="model_not_found")
+    assert "(100000 characters)" in err["message"] and len(err["message"]) < 300
+    assert worker.ids == []
+
+
 def test_requests_refuses_prompt_and_messages_together(client, worker):
     body = {"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
     assert_error(client.post("/v1/requests", json=body), 400, param="messages")
