@@ -5,7 +5,8 @@ accumulator of a request's events.
 Per request id:
   llmq:stream:{id}   a Redis Stream, one entry per event, field "data" = the event's JSON, entry id
                      "0-<n>" for the request's n-th event (so a retried write is never a second
-                     entry); capped (MAXLEN ~) and expiring a while after the request ends; replayable
+                     entry); capped (MAXLEN ~, never below what its request can make) and
+                     expiring a while after the request ends; replayable
   llmq:tokens:{id}   a pub/sub channel; every event is also PUBLISHed here as the same JSON
   llmq:cancel:{id}   set when the request is cancelled; a task that sees it never starts
   llmq:lease:{id}    the name of the worker running the request, expiring unless renewed: a

@@ -16,24 +16,29 @@ from llmq.events import CANCEL_CHANNEL, STEPS_CHANNEL, Event, StreamProgress, ca
 # holds is skipped (and not published again): writing is idempotent. A call retried after a dropped
 # connection (Redis restarted after running it, before answering) writes nothing twice, and neither
 # does a worker that resumes a request. n = 0 for the first event means "after the last one".
-# KEYS: per request, its stream and its channel. ARGV[1]: maxlen; then per request: the number of
-# its first event, the TTL to set (0: none), the count of its events, the events.
+# KEYS: per request, its stream and its channel. ARGV, per request: the number of its first event,
+# the TTL to set (0: none), the stream's cap (MAXLEN ~; 0: none), the count of its events, the events.
 # One call for a whole engine step, published whole on STEPS_CHANNEL at its end (after the entries are
 # in their streams): a web process's stream reader gets the step's events in one message. (Redis before
 # 7.2 answers an XREAD blocked on many streams with one stream's entries only.)
 _APPEND_EVENTS = """
-local a = 2
+local a = 1
 local step = {}
 for k = 1, #KEYS, 2 do
-  local first, ttl, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local first, ttl, maxlen, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   if first == 0 then
     local top = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)
     first = 1
     if #top > 0 then first = (tonumber(string.match(top[1][1], '^0%-(%d+)$')) or 0) + 1 end
   end
   for i = 1, count do
-    local data = ARGV[a + 2 + i]
-    local added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '0-' .. (first + i - 1), 'data', data)
+    local data = ARGV[a + 3 + i]
+    local added
+    if maxlen > 0 then
+      added = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '0-' .. (first + i - 1), 'data', data)
+    else
+      added = redis.pcall('XADD', KEYS[k], '0-' .. (first + i - 1), 'data', data)
+    end
     if type(added) == 'table' and added.err then
       if not string.find(added.err, 'equal or smaller', 1, true) then return added end
     else
@@ -42,7 +47,7 @@ for k = 1, #KEYS, 2 do
     end
   end
   if ttl > 0 then redis.call('EXPIRE', KEYS[k], ttl) end
-  a = a + 3 + count
+  a = a + 4 + count
 end
 if #step > 0 then redis.call('PUBLISH', '""" + STEPS_CHANNEL + """', '[' .. table.concat(step, ',') .. ']') end
 return #KEYS / 2
@@ -58,18 +63,23 @@ class EventWrite:
     events: list[Event]
     first_number: int = 0
     ttl: int | None = None  # set when the request ended: the stream expires this long after
+    # The stream's cap (MAXLEN ~), never less than the request's own events can number, since the
+    # stream is the request's checkpoint and its replay; None: the call's `maxlen`.
+    maxlen: int | None = None
 
 
-def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int) -> None:
+def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int | None = None) -> None:
     """Append and publish every write in one script call (a worker makes one per engine step), all of
-    them atomically. The script runs by its SHA; a Redis that lacks it (new, or restarted) gets it
-    loaded and the call sent again, which is safe since the writes are idempotent."""
+    them atomically; `maxlen` caps the streams of writes that bring no cap of their own (None: no cap).
+    The script runs by its SHA; a Redis that lacks it (new, or restarted) gets it loaded and the call
+    sent again, which is safe since the writes are idempotent."""
     if not writes:
         return
-    keys, args = [], [maxlen]
+    keys, args = [], []
     for write in writes:
+        cap = write.maxlen if write.maxlen is not None else maxlen
         keys += [stream_key(write.request_id), tokens_channel(write.request_id)]
-        args += [write.first_number, write.ttl or 0, len(write.events), *map(events.encode, write.events)]
+        args += [write.first_number, write.ttl or 0, cap or 0, len(write.events), *map(events.encode, write.events)]
     for attempt in range(2):
         try:
             client.evalsha(_APPEND_EVENTS_SHA, len(keys), *keys, *args)
@@ -80,7 +90,7 @@ def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int) -> 
             client.script_load(_APPEND_EVENTS)
 
 
-def publish_events(client: redis.Redis, request_id: str, request_events: list[Event], maxlen: int,
+def publish_events(client: redis.Redis, request_id: str, request_events: list[Event], maxlen: int | None = None,
                    ttl: int | None = None) -> None:
     """Append events after the request's last one and publish them, in one round trip."""
     write_events(client, [EventWrite(request_id, request_events, ttl=ttl)], maxlen)

@@ -72,3 +72,13 @@ def test_one_call_writes_each_request_at_its_own_number_and_ttl(redis_db):
     assert [entry_id for entry_id, _ in entries(redis_db, "y")] == ["0-1", "0-2", "0-3"]
     assert [entry_id for entry_id, _ in entries(redis_db, "z")] == ["0-7"]
     assert redis_db.ttl(stream_key("x")) == -1 and 0 < redis_db.ttl(stream_key("y")) <= 60
+
+
+def test_a_write_caps_its_stream_only_when_it_brings_a_cap(redis_db):
+    many = [token_event(i) for i in range(1, 251)]
+    write_events(redis_db, [EventWrite("capped", many, first_number=1, maxlen=5),
+                            EventWrite("whole", many, first_number=1)], maxlen=None)
+    assert redis_db.xlen(stream_key("whole")) == 250
+    assert redis_db.xlen(stream_key("capped")) < 250  # MAXLEN ~ drops whole nodes of the stream's start
+    publish_events(redis_db, "whole", [DoneEvent(Usage(0, 250))], maxlen=None)  # appending one never trims
+    assert redis_db.xlen(stream_key("whole")) == 251

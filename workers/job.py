@@ -76,6 +76,13 @@ class Job:
         return EngineResult(tuple(tuple(outs) for outs in self.outputs), self.request.prompts, self.first_token_at)
 
     @property
+    def max_events(self) -> int:
+        """The most events the request's stream can hold, over every run of it: per choice a delta a
+        token and one that ends it (an abort brings no token), plus one per resumption, and its end."""
+        choices = len(self.request.prompts) * self.params.n
+        return choices * (self.params.max_tokens + 2) + 1
+
+    @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for outs in self.outputs for o in outs)
 

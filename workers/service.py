@@ -262,15 +262,16 @@ class EngineService:
                 finished_jobs.append(job)
         for job in finished_jobs:
             events.setdefault(job, []).append(DoneEvent(Usage(job.prompt_tokens, job.completion_tokens), now))
-        numbered = {}
+        numbered, lengths = {}, {}
         for job, job_events in events.items():
             numbered[job.request_id] = (job.num_events + 1, job_events)
+            lengths[job.request_id] = job.max_events
             job.num_events += len(job_events)
         for job in finished_jobs:
             self._jobs.pop(job.request_id, None)
             for engine_id in job.routes:
                 self._by_engine_id.pop(engine_id, None)
-        self._writer.submit(StepEvents(numbered, finished=finished_jobs))  # wakes them once written
+        self._writer.submit(StepEvents(numbered, finished=finished_jobs, stream_lengths=lengths))  # wakes them once written
 
     def _hand_back_taken_over(self) -> None:
         while True:

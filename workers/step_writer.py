@@ -42,6 +42,7 @@ class StepEvents:
 
     events: dict[str, tuple[int, list[Event]]]
     finished: list[Job] = field(default_factory=list)  # woken once the events are written
+    stream_lengths: dict[str, int] = field(default_factory=dict)  # request id -> the most events it can make
 
 
 class StepWriter:
@@ -99,7 +100,8 @@ class StepWriter:
         try:
             if (failure := self.failure()) is not None:
                 raise failure
-            self.publisher.publish(step.events, finished=[job.request_id for job in step.finished])
+            self.publisher.publish(step.events, finished=[job.request_id for job in step.finished],
+                                   stream_lengths=step.stream_lengths)
         except Exception as err:  # Redis gone past its retries: these jobs' ends were not written
             with self._failure_lock:
                 if self._failure is None:
