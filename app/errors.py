@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import kombu.exceptions
+import redis
 from flask import Flask, jsonify, request
 from sqlalchemy import inspect
 from sqlalchemy.exc import OperationalError, ProgrammingError
@@ -14,6 +16,7 @@ from llmq.errors import InvalidRequest
 log = logging.getLogger(__name__)
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+REDIS_RETRY_AFTER_S = 5  # a restarted Redis is usually back, its data loaded, within seconds
 
 
 class APIError(Exception):
@@ -64,6 +67,15 @@ def register_error_handlers(app: Flask) -> None:
         }
         message = messages.get(err.code, err.description)
         return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)
+
+    @app.errorhandler(redis.ConnectionError)  # BusyLoadingError (Redis still loading its data) among them
+    @app.errorhandler(redis.TimeoutError)
+    @app.errorhandler(kombu.exceptions.OperationalError)  # the broker refused a task
+    def _redis_unavailable(err: Exception):
+        log.warning("Redis is unavailable: %s", err)
+        return error_response(503, "Redis (the task queue and the token streams) is unavailable or still loading; "
+                                   f"try again in {REDIS_RETRY_AFTER_S} s", code="service_unavailable",
+                              headers={"Retry-After": str(REDIS_RETRY_AFTER_S)})
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):

@@ -39,7 +39,10 @@ RESPONSES = {
     "RateLimited": {**_error("Too many requests for this key (rate_limit_error); retry after `Retry-After` seconds."),
                     "headers": {"Retry-After": {"description": "seconds to wait before retrying",
                                                 "schema": {"type": "integer", "minimum": 0}}}},
-    "Unavailable": _error("The task queue (Redis) is unavailable; try again later."),
+    "Unavailable": {**_error("Redis (the task queue and the token streams) is unavailable; retry after "
+                             "`Retry-After` seconds."),
+                    "headers": {"Retry-After": {"description": "seconds to wait before retrying",
+                                                "schema": {"type": "integer"}}}},
     "IdempotencyInProgress": {
         **_error("The first request with this Idempotency-Key is still being handled "
                  "(`idempotency_request_in_progress`); retry after `Retry-After` seconds to get its answer."),
@@ -68,8 +71,8 @@ def _path_id(name: str, example: str) -> dict:
 def _operation(operation_id: str, summary: str, responses: dict, *, tag: str, method: str = "get",
                body: dict | None = None, parameters: list | None = None, errors: tuple = (), public: bool = False,
                description: str | None = None) -> dict:
-    """One operation. Every operation may answer 401 and 429 (API keys and rate limits), except the
-    public one (health); every POST takes an optional Idempotency-Key."""
+    """One operation. Every operation may answer 401, 429 and 503 (API keys, rate limits, Redis away),
+    except the public one (health); every POST takes an optional Idempotency-Key."""
     op = {"operationId": operation_id, "summary": summary, "tags": [tag]}
     if description:
         op["description"] = description
@@ -82,7 +85,7 @@ def _operation(operation_id: str, summary: str, responses: dict, *, tag: str, me
         op["parameters"] = params
     if body is not None:
         op["requestBody"] = body
-    all_errors = errors if public else (*errors, 401, 429)
+    all_errors = errors if public else (*errors, 401, 429, 503)  # 503: Redis is away (Retry-After)
     # An operation's own description of a status (e.g. a cancelled completion's 409) stays.
     op["responses"] = {**_errors(*sorted(set(all_errors) - {int(status) for status in responses})), **responses}
     if public:
