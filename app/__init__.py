@@ -6,6 +6,7 @@ import logging
 from celery import Celery
 from flask import Flask
 
+from app.limits import MULTIPART_ALLOWANCE_BYTES
 from app.services import EXTENSION, WebServices
 from app.stream_hub import StreamHub
 from app.strict_json import StrictJSONProvider
@@ -26,7 +27,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     app.json = StrictJSONProvider(app)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app.config.update(MAX_CONTENT_LENGTH=settings.max_upload_bytes)
+    app.config.update(MAX_CONTENT_LENGTH=settings.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES)
     client = redis_client(settings.redis_url, settings.redis_retry_seconds)
     app.extensions[EXTENSION] = WebServices(
         settings=settings, db=Database(settings.database_url), redis=client, stream_hub=StreamHub(client),

@@ -5,7 +5,7 @@ import logging
 
 import kombu.exceptions
 import redis
-from flask import Flask, jsonify, request
+from flask import Flask, g, jsonify
 from sqlalchemy import inspect
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from werkzeug.exceptions import HTTPException
@@ -62,11 +62,16 @@ def register_error_handlers(app: Flask) -> None:
         messages = {
             404: "Not found: no such endpoint (see README for the API)",
             405: f"Method not allowed: {err.description}",
-            413: f"The upload is larger than this server accepts from you: at most {request.max_content_length} "
-                 "bytes (LLMQ_MAX_UPLOAD_BYTES, or your API key's own limit)",
+            413: f"The request is larger than this server accepts from you: uploads of at most "
+                 f"{g.get('upload_limit') or services().settings.max_upload_bytes} bytes (LLMQ_MAX_UPLOAD_BYTES, "
+                 "or your API key's own limit)",
         }
         message = messages.get(err.code, err.description)
-        return error_response(err.code or 500, message, code="request_too_large" if err.code == 413 else None)
+        if err.code == 413:
+            # The body was not read to its end: the connection cannot carry another request, so say so
+            # (gunicorn closes it either way; saying keep-alive misled clients).
+            return error_response(413, message, code="request_too_large", headers={"Connection": "close"})
+        return error_response(err.code or 500, message)
 
     @app.errorhandler(redis.ConnectionError)  # BusyLoadingError (Redis still loading its data) among them
     @app.errorhandler(redis.TimeoutError)

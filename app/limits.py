@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 import redis
-from flask import request
+from flask import g, request
 
 from app.auth import current_key, current_tenant, is_public
 from app.errors import APIError
@@ -75,13 +75,20 @@ def current_limits() -> Limits:
     return Limits.effective(services().settings, current_key())
 
 
+# A multipart upload's boundaries, part headers and purpose field, over its file's bytes.
+MULTIPART_ALLOWANCE_BYTES = 64 * 1024
+
+
 def limit_request_rate() -> None:
     """before_request (after authenticate): 429 past the requests-per-minute limit. Every call but
     the health checks counts. Also bounds this request's body by the key's upload limit."""
     if is_public():
         return
     limits = current_limits()
-    request.max_content_length = limits.max_upload_bytes  # Werkzeug answers 413 before reading more
+    # Werkzeug answers 413 before reading more. The body may exceed the file's own limit by its
+    # multipart framing; the file's bytes are held to the limit exactly (app/api/files.py).
+    request.max_content_length = limits.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES
+    g.upload_limit = limits.max_upload_bytes  # what a 413 says the limit is
     _consume("rpm", 1, limits.requests_per_minute,
              lambda: f"Rate limit reached: {limits.requests_per_minute} requests per minute")
 

@@ -48,7 +48,7 @@ def upload_file():
     limit = current_limits().max_upload_bytes
     # max_content_length bounds the whole request; this also covers a body without Content-Length.
     if len(content) > limit:
-        raise APIError(413, f"the file is {len(content)} bytes; this server accepts at most {limit} from you "
+        raise APIError(413, f"the file is {len(content)} bytes; this server accepts at most {limit} bytes from you "
                             "(LLMQ_MAX_UPLOAD_BYTES, or your API key's own limit)", param="file",
                        code="request_too_large")
     if purpose == "batch":  # refused now rather than failing the batch made from it later

@@ -14,6 +14,7 @@ import redis
 from sqlalchemy import select
 
 from app import create_app
+from app.limits import MULTIPART_ALLOWANCE_BYTES
 from llmq.events import cancel_key
 from llmq.settings import Settings, queue_name
 from llmq.store import batch_lifecycle
@@ -122,8 +123,18 @@ def test_file_upload_get_list_content_delete(client):
     assert [f["id"] for f in client.get("/v1/files").get_json()["data"]] == [other["id"]]
 
 
+def test_a_file_of_exactly_the_limit_is_taken_its_multipart_framing_aside(client):
+    assert upload(client, b"x" * MAX_UPLOAD).status_code == 200
+
+
+def test_a_body_cut_short_by_the_limit_closes_its_connection_saying_so(client):
+    response = upload(client, b"x" * (MAX_UPLOAD + MULTIPART_ALLOWANCE_BYTES + 1))
+    assert response.status_code == 413 and response.headers["Connection"] == "close"
+    assert f"at most {MAX_UPLOAD} bytes" in response.get_json()["error"]["message"]
+
+
 def test_upload_over_the_limit_is_413_in_the_openai_shape(client):
-    error = assert_error(upload(client, b"x" * (MAX_UPLOAD + 1)), 413, None, "request_too_large")
+    error = assert_error(upload(client, b"x" * (MAX_UPLOAD + 1)), 413, "file", "request_too_large")
     assert "LLMQ_MAX_UPLOAD_BYTES" in error["message"]
     assert client.get("/v1/files").get_json()["data"] == []
 
