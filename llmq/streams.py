@@ -4,7 +4,7 @@ llmq/events.py's."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -68,18 +68,54 @@ class EventWrite:
     maxlen: int | None = None
 
 
-def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int | None = None) -> None:
-    """Append and publish every write in one script call (a worker makes one per engine step), all of
-    them atomically; `maxlen` caps the streams of writes that bring no cap of their own (None: no cap).
-    The script runs by its SHA; a Redis that lacks it (new, or restarted) gets it loaded and the call
-    sent again, which is safe since the writes are idempotent."""
-    if not writes:
+# A script call blocks every other Redis client while it runs: a step's write is split into calls of
+# at most this many events (an ordinary step is one call; a request of 1,000 prompts x 128 samples
+# made 128,000 events a step, one call of over 5 s).
+MAX_EVENTS_PER_CALL = 512
+
+
+def write_events(client: redis.Redis, writes: list[EventWrite], maxlen: int | None = None,
+                 max_events_per_call: int = MAX_EVENTS_PER_CALL) -> None:
+    """Append and publish every write, in script calls of at most `max_events_per_call` events (a
+    worker makes one per engine step, more for a very large step), each call atomic; `maxlen` caps the
+    streams of writes that bring no cap of their own (None: no cap). The script runs by its SHA; a
+    Redis that lacks it (new, or restarted) gets it loaded and the call sent again, which is safe
+    since the writes are idempotent."""
+    for call in _calls(writes, max_events_per_call):
+        keys, args = [], []
+        for write in call:
+            cap = write.maxlen if write.maxlen is not None else maxlen
+            keys += [stream_key(write.request_id), tokens_channel(write.request_id)]
+            args += [write.first_number, write.ttl or 0, cap or 0, len(write.events), *map(events.encode, write.events)]
+        _run_script(client, keys, args)
+
+
+def _calls(writes: list[EventWrite], limit: int):
+    """The writes, in order, grouped into calls of at most `limit` events. A write with more is split
+    into parts numbered on from its first (parts of one that appends after the last append after the
+    part before); only its last part sets its TTL."""
+    if sum(len(write.events) for write in writes) <= limit:  # an ordinary step: one call, as it came
+        if writes:
+            yield writes
         return
-    keys, args = [], []
+    call, size = [], 0
     for write in writes:
-        cap = write.maxlen if write.maxlen is not None else maxlen
-        keys += [stream_key(write.request_id), tokens_channel(write.request_id)]
-        args += [write.first_number, write.ttl or 0, cap or 0, len(write.events), *map(events.encode, write.events)]
+        remaining, first = list(write.events), write.first_number
+        while True:
+            part, remaining = remaining[:limit - size], remaining[limit - size:]
+            call.append(replace(write, events=part, first_number=first, ttl=None if remaining else write.ttl))
+            size += len(part)
+            first = first + len(part) if first else 0
+            if size >= limit:
+                yield call
+                call, size = [], 0
+            if not remaining:
+                break
+    if call:
+        yield call
+
+
+def _run_script(client: redis.Redis, keys: list, args: list) -> None:
     for attempt in range(2):
         try:
             client.evalsha(_APPEND_EVENTS_SHA, len(keys), *keys, *args)

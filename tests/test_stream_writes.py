@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from llmq.events import DoneEvent, Usage, stream_key, tokens_channel
+from llmq.events import STEPS_CHANNEL, DoneEvent, Usage, stream_key, tokens_channel
 from llmq.streams import EventWrite, publish_events, write_events
 from tests.conftest import token_event
 
@@ -82,3 +82,24 @@ def test_a_write_caps_its_stream_only_when_it_brings_a_cap(redis_db):
     assert redis_db.xlen(stream_key("capped")) < 250  # MAXLEN ~ drops whole nodes of the stream's start
     publish_events(redis_db, "whole", [DoneEvent(Usage(0, 250))], maxlen=None)  # appending one never trims
     assert redis_db.xlen(stream_key("whole")) == 251
+
+
+def test_a_large_step_is_written_in_bounded_calls_and_each_stream_stays_whole(redis_db):
+    pubsub = redis_db.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STEPS_CHANNEL)
+    big = [token_event(i) for i in range(1, 1001)]
+    write_events(redis_db, [EventWrite("big", big, first_number=1, ttl=60),
+                            EventWrite("tail", [token_event(1), token_event(2)], first_number=0, ttl=60),
+                            EventWrite("small", [token_event(5)], first_number=5)], max_events_per_call=256)
+    calls = []
+    deadline = time.monotonic() + 5
+    while len(calls) < 4 and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+        if message:
+            calls.append(json.loads(message["data"]))
+    assert [len(call) for call in calls] == [256, 256, 256, 235]  # 1,003 events, each call at most 256
+    assert [entry_id for entry_id, _ in entries(redis_db, "big")] == [f"0-{n}" for n in range(1, 1001)]
+    assert [entry_id for entry_id, _ in entries(redis_db, "tail")] == ["0-1", "0-2"]
+    assert [entry_id for entry_id, _ in entries(redis_db, "small")] == ["0-5"]
+    assert redis_db.ttl(stream_key("big")) > 0 and redis_db.ttl(stream_key("small")) == -1
+    pubsub.close()
