@@ -52,6 +52,8 @@ class Limits:
     max_upload_bytes: int
     max_batch_lines: int
     max_tokens: int  # 0 = only the model's context bounds it
+    max_request_choices: int  # prompts x n in one request; 0 = unlimited
+    max_request_tokens: int  # prompt tokens + max_tokens x choices in one request; 0 = unlimited
 
     @classmethod
     def effective(cls, settings: Settings, key: ApiKey | None) -> "Limits":
@@ -68,6 +70,8 @@ class Limits:
             # only lower it; checking here too refuses such a file at upload, with a clearer message.
             max_batch_lines=min(pick("max_batch_lines", settings.max_batch_lines), settings.max_batch_lines),
             max_tokens=pick("max_tokens", settings.max_tokens_limit),
+            max_request_choices=pick("max_request_choices", settings.max_request_choices),
+            max_request_tokens=pick("max_request_tokens", settings.max_request_tokens),
         )
 
 

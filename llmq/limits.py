@@ -30,6 +30,19 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, context_len: int) -> Non
                              f"this model's context of {context_len} tokens", "max_tokens")
 
 
+def check_request_size(num_choices: int, num_tokens: int, max_choices: int, max_tokens: int) -> None:
+    """One request's size within its limits (0: none): its choices (prompts x n) and the tokens it may
+    use (prompt tokens + max_tokens x choices)."""
+    if max_choices and num_choices > max_choices:
+        raise InvalidRequest(f"the request has {num_choices} choices (prompts x n); this server takes at most "
+                             f"{max_choices} in one request (LLMQ_MAX_REQUEST_CHOICES, or your API key's own limit): "
+                             "split it, or send a batch", "n", code="request_too_large")
+    if max_tokens and num_tokens > max_tokens:
+        raise InvalidRequest(f"the request may use {num_tokens} tokens (prompt tokens + max_tokens x choices); this "
+                             f"server takes at most {max_tokens} in one request (LLMQ_MAX_REQUEST_TOKENS, or your API "
+                             "key's own limit)", "max_tokens", code="request_too_large")
+
+
 def check_samples(n: int, max_num_seqs: int) -> None:
     if n > max_num_seqs:
         raise InvalidRequest(f"n is {n}, more samples than this server runs at once "

@@ -53,6 +53,10 @@ class Settings:
     rate_limit_rpm: int = 0  # requests per minute per key; 0 = unlimited
     rate_limit_tpm: int = 0  # tokens per minute per key (prompt + max_tokens x choices); 0 = unlimited
     max_tokens_limit: int = 0  # the largest max_tokens a request may ask for; 0 = the model's context
+    # One request's size (a batch line's too): its choices (prompts x n), and the tokens it may use
+    # (prompt tokens + max_tokens x choices); 0 = unlimited. Bounds what one request holds a worker for.
+    max_request_choices: int = 2048
+    max_request_tokens: int = 1_000_000
     visibility_timeout: int = 3600  # seconds before Redis redelivers an unacknowledged task
     stream_maxlen: int = 10_000  # entries kept per request stream
     stream_ttl: int = 24 * 3600  # seconds a finished request's stream stays replayable
@@ -88,6 +92,8 @@ class Settings:
             rate_limit_rpm=_int("LLMQ_RATE_LIMIT_RPM", 0),
             rate_limit_tpm=_int("LLMQ_RATE_LIMIT_TPM", 0),
             max_tokens_limit=_int("LLMQ_MAX_TOKENS_LIMIT", 0),
+            max_request_choices=_int("LLMQ_MAX_REQUEST_CHOICES", 2048),
+            max_request_tokens=_int("LLMQ_MAX_REQUEST_TOKENS", 1_000_000),
             visibility_timeout=_int("LLMQ_VISIBILITY_TIMEOUT", 3600),
             stream_maxlen=_int("LLMQ_STREAM_MAXLEN", 10_000),
             stream_ttl=_int("LLMQ_STREAM_TTL", 24 * 3600),

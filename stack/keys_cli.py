@@ -26,7 +26,11 @@ LIMIT_OPTIONS = (("--rpm", "rate_limit_rpm", "requests per minute (0 = unlimited
                  ("--tpm", "rate_limit_tpm", "tokens per minute, prompt + max_tokens x choices (0 = unlimited)"),
                  ("--max-upload-bytes", "max_upload_bytes", "largest upload in bytes"),
                  ("--max-batch-lines", "max_batch_lines", "most request lines in a batch file"),
-                 ("--max-tokens", "max_tokens", "largest max_tokens a request may ask for (0 = no limit)"))
+                 ("--max-tokens", "max_tokens", "largest max_tokens a request may ask for (0 = no limit)"),
+                 ("--max-request-choices", "max_request_choices", "most choices (prompts x n) in one request "
+                                                                  "(0 = unlimited)"),
+                 ("--max-request-tokens", "max_request_tokens", "most tokens one request may use, prompt + "
+                                                                "max_tokens x choices (0 = unlimited)"))
 
 
 def add_keys_command(commands) -> None:

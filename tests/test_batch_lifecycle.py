@@ -164,3 +164,21 @@ def test_lines_end_at_newlines_only_and_a_pathological_line_is_one_error_line(db
         (1, "sep", "pending"), (2, None, "failed"), (3, "after", "pending")]
     assert by_line[1].prepared["prompt_token_ids"] == [TOKENIZER.encode("a\u2028b\u0085c")]
     assert json.loads(by_line[2].result)["error"]["code"] == "invalid_json"
+
+
+def test_a_line_over_the_batchs_request_size_limits_is_an_error_line(db, batch_id):
+    """The fixture's lines are one prompt each, n 1, max_tokens 4: a batch whose key allowed 3 tokens a
+    request refuses each; one that allowed a line its size runs them."""
+    with db.session() as session:
+        file_id = session.get(Batch, batch_id).input_file_id
+        strict = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_request_tokens=3)
+        roomy = Batch(endpoint="/v1/completions", model="m", input_file_id=file_id, max_request_choices=1,
+                      max_request_tokens=100)
+        session.add_all([strict, roomy])
+        session.flush()
+        assert batch_lifecycle.expand_input(session, strict, SERVED, TOKENIZER, max_lines=100) == []
+        assert len(batch_lifecycle.expand_input(session, roomy, SERVED, TOKENIZER, max_lines=100)) == 5
+        strict_id = strict.id
+    errors = [json.loads(item.result)["error"] for item in items(db, strict_id)]
+    assert [e["code"] for e in errors] == ["request_too_large"] * 5
+    assert all("at most 3" in e["message"] and "(param: max_tokens)" in e["message"] for e in errors)

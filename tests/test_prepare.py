@@ -69,3 +69,14 @@ def test_a_prompt_longer_than_any_context_is_refused_before_it_is_encoded():
         prepare(COMPLETION, {"prompt": "a" * limit}, TOKENIZER, MODEL)
     assert refused.value.param == "prompt" and "tokens" in str(refused.value)
     assert "characters" not in str(refused.value)
+
+
+def test_a_requests_size_is_its_choices_and_the_tokens_it_may_use():
+    prepared = prepare(COMPLETION, {"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 10}, TOKENIZER, MODEL)
+    assert (prepared.num_choices, prepared.num_requested_tokens) == (4, 5 + 10 * 4)
+    prepared.check_size(4, 45)  # exactly at both limits
+    prepared.check_size(0, 0)  # none
+    for limits, param in (((3, 0), "n"), ((0, 44), "max_tokens")):
+        with pytest.raises(InvalidRequest) as refused:
+            prepared.check_size(*limits)
+        assert (refused.value.param, refused.value.code) == (param, "request_too_large")

@@ -56,6 +56,7 @@ def create_batch():
     window, window_seconds = _completion_window(body.get("completion_window"))
     metadata = _metadata(body.get("metadata"))
     model = served_model()
+    caller = limits.current_limits()  # the batch keeps its creating key's limits for its lines
     with db().session() as session:
         file = session.get(File, input_file_id, options=[defer(File.content)])
         if file is None or file.deleted or not owns(file):
@@ -67,7 +68,9 @@ def create_batch():
         created = time.time()
         batch = Batch(tenant=current_tenant(), endpoint=endpoint, model=model, input_file_id=input_file_id,
                       completion_window=window, status=BatchStatus.VALIDATING, metadata_=metadata, created_at=created,
-                      expires_at=created + window_seconds, max_tokens_limit=limits.current_limits().max_tokens or None)
+                      expires_at=created + window_seconds, max_tokens_limit=caller.max_tokens or None,
+                      max_request_choices=caller.max_request_choices or None,
+                      max_request_tokens=caller.max_request_tokens or None)
         session.add(batch)
     # Queued only after the row is committed, so the worker always finds it.
     try:

@@ -61,8 +61,10 @@ def submit(kind: str, body: dict) -> Submitted:
     params = prepared.params
     limits.check_max_tokens(params.max_tokens, "max_completion_tokens" if "max_completion_tokens" in body
                             else "max_tokens")
+    caller = limits.current_limits()
+    prepared.check_size(caller.max_request_choices, caller.max_request_tokens)
     # Charged at submission for what the request may use: its prompts and every choice's max_tokens.
-    limits.charge_tokens(prepared.num_prompt_tokens + params.max_tokens * prepared.num_choices)
+    limits.charge_tokens(prepared.num_requested_tokens)
 
     request_id = new_id("chatcmpl-" if kind == CHAT else "cmpl-")
     with common.db().session() as session:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from llmq.errors import InvalidRequest
-from llmq.limits import check_fits, check_samples, check_token_ids
+from llmq.limits import check_fits, check_request_size, check_samples, check_token_ids
 from llmq.model.model_config import ModelConfig
 from llmq.model.tokenizer import Tokenizer, TokenizerError
 from llmq.protocol.openai import parse_chat_request, parse_completion_request
@@ -63,6 +63,15 @@ class PreparedRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def num_requested_tokens(self) -> int:
+        """What the request may use: its prompt tokens and every choice's max_tokens."""
+        return self.num_prompt_tokens + self.params.max_tokens * self.num_choices
+
+    def check_size(self, max_choices: int, max_tokens: int) -> None:
+        """Raises InvalidRequest (request_too_large) past either limit (0: none)."""
+        check_request_size(self.num_choices, self.num_requested_tokens, max_choices, max_tokens)
 
     def response_spec(self, request_id: str, model: str, created: int) -> ResponseSpec:
         return ResponseSpec(id=request_id, kind=self.kind, model=model, created=created,

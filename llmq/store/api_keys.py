@@ -35,6 +35,8 @@ class KeyLimits:
     max_upload_bytes: int | None = None
     max_batch_lines: int | None = None
     max_tokens: int | None = None
+    max_request_choices: int | None = None
+    max_request_tokens: int | None = None
 
     def __post_init__(self):
         for field in fields(self):

@@ -96,6 +96,7 @@ def _item(batch: Batch, kind: str, line_no: int, line: str, model: ServedModel, 
         if batch.max_tokens_limit and asked > batch.max_tokens_limit:
             raise InvalidRequest(f"max_tokens is {asked}; the API key that created this batch allows at most "
                                  f"{batch.max_tokens_limit}", "max_tokens")
+        prepared.check_size(batch.max_request_choices or 0, batch.max_request_tokens or 0)
         item.prepared = prepared.to_json()
     except BatchLineError as err:
         _set_result(item, ItemStatus.FAILED, batch_error_line(err.custom_id, err.code, str(err), err.line))

@@ -125,6 +125,9 @@ class Batch(Base):
     completion_window: Mapped[str] = mapped_column(String(16), default="24h")
     # The creating key's max_tokens limit, if it has one: a line asking for more is an error line.
     max_tokens_limit: Mapped[int | None] = mapped_column(Integer, default=None)
+    # One line's size limits as they were for the creating key (Limits.max_request_*; None: none).
+    max_request_choices: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_request_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     status: Mapped[str] = mapped_column(String(16), default=BatchStatus.VALIDATING)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, default=None)
     errors: Mapped[dict | None] = mapped_column(JSON, default=None)
@@ -184,3 +187,5 @@ class ApiKey(Base):
     max_upload_bytes: Mapped[int | None] = mapped_column(Integer, default=None)
     max_batch_lines: Mapped[int | None] = mapped_column(Integer, default=None)
     max_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_request_choices: Mapped[int | None] = mapped_column(Integer, default=None)  # prompts x n in one request
+    max_request_tokens: Mapped[int | None] = mapped_column(Integer, default=None)  # prompt + max_tokens x choices

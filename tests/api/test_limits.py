@@ -203,3 +203,20 @@ def test_refused_submissions_queue_nothing(make_app, redis_url, chat_model_dir, 
     message = assert_error(app.test_client().post(path, json=body), 400, "max_tokens_exceeded", field)
     assert f"{field} is 5" in message
     assert count_requests(app) == 0 and redis.Redis.from_url(redis_url).llen(f"llmq.{MODEL}") == 0
+
+
+def test_one_requests_size_per_key_and_server_wide(make_app, new_key):
+    app = make_app(max_request_choices=4, max_request_tokens=60)
+    client = app.test_client()
+    _, default = new_key(app, "acme")
+    _, roomy = new_key(app, "acme", max_request_choices=0, max_request_tokens=1000)  # 0: no limit of choices
+    # three prompts of 3 tokens, n=2: 6 choices
+    message = assert_error(submit(client, default, prompt=[[1, 2, 3]] * 3, n=2), 400, "request_too_large", "n")
+    assert "6 choices" in message and "at most 4" in message
+    assert submit(client, roomy, prompt=[[1, 2, 3]] * 3, n=2).status_code == 202
+    # 2 prompts of 3 tokens, n=2, max_tokens 20: 6 + 80 = 86 tokens
+    message = assert_error(submit(client, default, prompt=[[1, 2, 3]] * 2, n=2, max_tokens=20), 400,
+                           "request_too_large", "max_tokens")
+    assert "86 tokens" in message and "at most 60" in message
+    assert submit(client, default, prompt=[[1, 2, 3]] * 2, n=2, max_tokens=10).status_code == 202  # 46 tokens
+    assert count_requests(app) == 2
