@@ -65,6 +65,9 @@ class Settings:
     shutdown_grace_seconds: int = 30  # a stopping worker (SIGTERM) hands its work back within this
     sweep_seconds: int = 10  # how often a worker looks for batches past their completion window
     redis_retry_seconds: int = 30  # how long a call waits for Redis to come back before it fails
+    # How long a request whose tokens could not be written (Redis away past redis_retry_seconds) waits
+    # for Redis to answer again, to go on from its checkpoint, before it fails.
+    redis_outage_seconds: int = 600
     device: str = "cpu"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -102,6 +105,7 @@ class Settings:
             shutdown_grace_seconds=_int("LLMQ_SHUTDOWN_GRACE_SECONDS", 30),
             sweep_seconds=_int("LLMQ_SWEEP_SECONDS", 10),
             redis_retry_seconds=_int("LLMQ_REDIS_RETRY_SECONDS", 30),
+            redis_outage_seconds=_int("LLMQ_REDIS_OUTAGE_SECONDS", 600),
             device=_str("LLMQ_DEVICE", "cpu"),
             max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", 128),
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),

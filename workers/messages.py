@@ -18,12 +18,17 @@ class EngineFailure(RuntimeError):
     """The engine broke while running a request (a bug or a device fault), not the request's fault."""
 
 
+class StreamWriteFailure(EngineFailure):
+    """The request's events could not be written to Redis (away past the client's retry window). Its
+    stream holds what was written before: once Redis answers again, the request can go on from there."""
+
+
 class HandedBack(RuntimeError):
     """This worker is stopping (or another has taken the request over): the request goes back to the
     queue, to be resumed from its checkpoint."""
 
 
-EngineError = InvalidRequest | EngineFailure | HandedBack
+EngineError = InvalidRequest | EngineFailure | StreamWriteFailure | HandedBack
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from llmq.events import DeltaEvent, DoneEvent, Event, Usage
 from llmq.model.tokenizer import Tokenizer
 from llmq.outputs import CompletionOutput, RequestDelta
 from workers.job import Job, one_sample, output_so_far
-from workers.messages import EngineFailure, EngineRequest, EngineResult, HandedBack
+from workers.messages import EngineFailure, EngineRequest, EngineResult, HandedBack, StreamWriteFailure
 from workers.publisher import StreamPublisher
 from workers.step_writer import StepEvents, StepWriter
 
@@ -148,7 +148,7 @@ class EngineService:
         while not self._stopping.is_set():
             try:
                 if (failure := self._writer.failure()) is not None:
-                    self._end_all(EngineFailure(f"the request's tokens could not be written to Redis: {failure}"))
+                    self._end_all(StreamWriteFailure(f"the request's tokens could not be written to Redis: {failure}"))
                     self._writer.flush()  # the steps still queued are dropped, their finished jobs failed
                     self._writer.clear_failure()
                 self._admit()

@@ -15,7 +15,7 @@ Order is what makes this safe. The events are every request's checkpoint and its
   its task stores the result after its stream holds the end;
 - the loop calls `flush()` before it ends a job any other way (an error, or handing it back to the
   queue), so another worker that resumes the request finds every token this one made.
-A write that fails ends the jobs that finished in its step with EngineFailure and is reported to
+A write that fails ends the jobs that finished in its step with StreamWriteFailure and is reported to
 the loop (`failure`), which fails the requests still in flight, as a failed write in the loop did
 before. Until the loop has done that (`clear_failure`), later steps are not written either: a
 request's stream must never skip an event, and its end (the task's error event) is appended after
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from llmq.events import Event
 from workers.job import Job
-from workers.messages import EngineFailure
+from workers.messages import StreamWriteFailure
 from workers.publisher import StreamPublisher
 
 log = logging.getLogger(__name__)
@@ -110,4 +110,4 @@ class StepWriter:
             failed = f"the request's last tokens could not be written to Redis: {err}"
         finally:
             for job in step.finished:
-                job.finish(EngineFailure(failed) if failed else None)
+                job.finish(StreamWriteFailure(failed) if failed else None)

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import redis
 from celery import Task, shared_task
 from celery.exceptions import Reject
 
@@ -34,7 +35,7 @@ from llmq.store.models import (
 )
 from llmq.streams import is_cancelled, read_progress
 from workers.completion_runner import execute
-from workers.messages import EngineFailure, HandedBack
+from workers.messages import EngineFailure, EngineResult, HandedBack, StreamWriteFailure
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,7 @@ def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: Prepared
             return RequestStatus.FAILED
         request.status, request.started_at = RequestStatus.RUNNING, request.started_at or time.time()
     try:
-        response, result = execute(runtime.engine, request_id, prepared, model, created, resume_from=checkpoint,
-                                   priority=API_ENGINE_PRIORITY)
+        response, result = _execute(runtime, request_id, prepared, model, created, checkpoint, API_ENGINE_PRIORITY)
     except HandedBack:
         with runtime.db.session() as session:
             session.get(Request, request_id).status = RequestStatus.QUEUED
@@ -196,8 +196,8 @@ class _BatchLine:
 def _run_item_leased(runtime: WorkerRuntime, line: _BatchLine) -> str:
     try:
         prepared = _prepared(runtime, line.kind, line.body, line.prepared)
-        response, result = execute(runtime.engine, line.request_id, prepared, line.model,
-                                   resume_from=_checkpoint(runtime, line.request_id), priority=BATCH_ENGINE_PRIORITY)
+        response, result = _execute(runtime, line.request_id, prepared, line.model, None,
+                                    _checkpoint(runtime, line.request_id), BATCH_ENGINE_PRIORITY)
         status = ItemStatus.CANCELLED if result.cancelled else ItemStatus.COMPLETED
         output = batch_lifecycle.success_line(line.custom_id, response) if status == ItemStatus.COMPLETED else None
     except HandedBack:
@@ -213,6 +213,41 @@ def _run_item_leased(runtime: WorkerRuntime, line: _BatchLine) -> str:
 
 
 # ---- shared ------------------------------------------------------------------------------------
+
+REDIS_OUTAGE_RETRIES = 3  # runs of one request that Redis going away may cut short before it fails
+
+
+def _execute(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str, created: int | None,
+             checkpoint: StreamProgress | None, priority: int) -> tuple[dict, EngineResult]:
+    """execute(); a run cut short because Redis was away past the client's retry window (its tokens
+    could not be written) goes on from the request's checkpoint once Redis answers again: the outage
+    was the only fault. At most REDIS_OUTAGE_RETRIES times, each within LLMQ_REDIS_OUTAGE_SECONDS."""
+    retries = 0
+    while True:
+        try:
+            return execute(runtime.engine, request_id, prepared, model, created, resume_from=checkpoint,
+                           priority=priority)
+        except StreamWriteFailure as err:
+            retries += 1
+            if retries > REDIS_OUTAGE_RETRIES or not _redis_answers(runtime, runtime.settings.redis_outage_seconds):
+                raise
+            log.warning("request %s: its tokens could not be written (%s); Redis is back, so it goes on from its "
+                        "checkpoint", request_id, err)
+            checkpoint = _checkpoint(runtime, request_id)
+
+
+def _redis_answers(runtime: WorkerRuntime, within_s: float) -> bool:
+    """Whether Redis answers again within `within_s` seconds (asked about once a second)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if runtime.redis.ping():
+                return True
+        except redis.RedisError:
+            pass
+        time.sleep(1.0)
+    return False
+
 
 def _prepared(runtime: WorkerRuntime, kind: str, body: dict, stored: dict | None) -> PreparedRequest:
     """The request as prepared at intake; a row stored before intake prepared requests (migration

@@ -151,6 +151,20 @@ def test_redis_restarted_mid_batch_loses_nothing(served_model_dir, tmp_path, off
         assert len(api.get("/v1/workers").json()["data"]) == 2, "a worker did not reconnect"
 
 
+def test_redis_away_past_the_retry_window_fails_no_line(served_model_dir, tmp_path, offline):
+    # The clients give up on Redis after 2 s; it stays down for 9 s (past the 8 s leases, which are
+    # taken again when it is back). Lines whose tokens could not be written go on from their
+    # checkpoints once it answers, instead of ending as server_error.
+    with fault_stack(served_model_dir, tmp_path, workers=1, LLMQ_REDIS_RETRY_SECONDS="2") as stack, \
+            httpx.Client(base_url=stack.base_url, timeout=60) as api:
+        batch_id = start_batch(api)
+        wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] >= 2,
+                   timeout=120, interval=0.1)
+        stack.restart_redis(down_s=9.0)
+        assert_batch_came_through(api, stack, batch_id, offline)
+        assert "Redis is back, so it goes on from its checkpoint" in log_of(tmp_path, "w0")
+
+
 def test_a_stream_resumes_across_a_web_restart(served_model_dir, tmp_path, offline):
     with fault_stack(served_model_dir, tmp_path, workers=1) as stack:
         with httpx.Client(base_url=stack.base_url, timeout=60) as api:
