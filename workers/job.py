@@ -88,11 +88,11 @@ class Job:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.request.prompts)
+        return self.result().prompt_tokens
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(o.token_ids) for outs in self.outputs for o in outs)
+        return self.result().completion_tokens
 
 
 def output_so_far(choice: CompletionOutput | None, index: int) -> CompletionOutput:
