@@ -68,9 +68,12 @@ class LLMEngine:
         raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0, resume: ResumePoint | None = None) -> Sequence:
+                    priority: int = 0, resume: ResumePoint | None = None, tenant: str = "",
+                    weight: float = 1.0) -> Sequence:
         """Queue a request. Raises InvalidRequest (naming the field) for a request that cannot run;
-        nothing else in the engine is affected. With `resume` (one sample, n == 1), the request goes on
+        nothing else in the engine is affected. `tenant` and `weight`: whose work it is, and that tenant's
+        weight in the scheduler's fair share (see llmq/engine/scheduler.py); `priority` orders requests
+        within a tenant. With `resume` (one sample, n == 1), the request goes on
         from the tokens another engine had generated: its deltas carry only what comes after them."""
         params = params or SamplingParams()
         if resume is not None and params.n != 1:
@@ -85,8 +88,10 @@ class LLMEngine:
         if len(generated) >= params.max_tokens:
             raise InvalidRequest(f"the resumed sample already has {len(generated)} tokens, max_tokens is "
                                  f"{params.max_tokens}", "max_tokens")
-        seq = Sequence(request_id, token_ids + generated, params, priority=priority, sampling_seed=seed,
-                       num_prompt_tokens=len(token_ids))
+        if not 0 < weight < float("inf"):
+            raise ValueError(f"a tenant's weight must be a positive number, got {weight!r}")
+        seq = Sequence(request_id, token_ids + generated, params, priority=priority, tenant=tenant, weight=weight,
+                       sampling_seed=seed, num_prompt_tokens=len(token_ids))
         if resume is not None:
             self.output_processor.resume(seq, resume.num_emitted_chars)
         self._requests[request_id] = [seq]
@@ -115,6 +120,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one iteration: every running sequence advances; returns the deltas it produced."""
         batch = self.scheduler.schedule()
+        for seq in batch.deferred:  # siblings that wait for a slot: aborted with their request
+            self._requests[seq.request_id].append(seq)
         token_ids, logprobs = self.model_runner.run(batch) if batch else ([], [])
         return self._finish(self.output_processor.process(self.scheduler.postprocess(batch, token_ids), logprobs))
 
@@ -134,7 +141,7 @@ class LLMEngine:
     # ---- figures ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        return {"running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
                 "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks}
 
 

@@ -2,19 +2,33 @@
 
 Iteration-level (continuous) batching with one code path for prefill and decode: every sequence
 simply needs `num_tokens - num_computed_tokens` more tokens computed, and a per-step token budget
-(`max_num_batched_tokens`) is spent on running sequences first, then on waiting ones in priority /
-first-come order. Long prompts are therefore prefilled in chunks alongside running decodes. When
-the KV cache is full the newest (lowest-priority) running sequence is preempted: its blocks are
-freed and it goes back to waiting, to be recomputed later.
+(`max_num_batched_tokens`) is spent on running sequences first, then on waiting ones. Long prompts
+are therefore prefilled in chunks alongside running decodes. When the KV cache is full a running
+sequence is preempted: its blocks are freed and it goes back to waiting, to be recomputed later.
+
+Fair share between tenants: each step the running slots (`max_num_seqs`) and the token budget are
+divided between the tenants with work, weighted max-min fair (llmq/engine/fair_share.py). A tenant
+under its share of slots is admitted before one over it, and when the slots are full it takes them
+from the tenant furthest over its share (that tenant's newest sequence is preempted); a tenant's
+running sequences compute at most its share of the step's tokens. So a tenant alone uses the whole
+machine, and a flood from one tenant delays another's request by about a step, not by the flood.
+Within one tenant, lower `priority` goes first, then first come first served; the KV cache's
+preemption victim is the newest sequence of the tenant using the most slots for its weight.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from llmq.engine.block_manager import BlockManager
+from llmq.engine.fair_share import fair_split
 from llmq.engine.sequence import Sequence, SequenceStatus
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
 
 
 @dataclass
@@ -30,6 +44,7 @@ class ScheduledBatch:
     logits_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    deferred: list[Sequence] = field(default_factory=list)  # samples (n > 1) forked into waiting, not running
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +59,12 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
+        self._waiting: dict[str, list[Sequence]] = {}  # by tenant, each sorted by Sequence.sort_key
+        self._num_waiting = 0
+        self._running_count: Counter[str] = Counter()  # running sequences by tenant
+        self._waiting_slots: Counter[str] = Counter()  # slots a tenant's waiting sequences need, forks included
+        self._weights: dict[str, float] = {}  # the weight each tenant's newest sequence came with
         self._arrivals = itertools.count()
 
     # ---- intake ----------------------------------------------------------------------------
@@ -54,19 +73,34 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         seq.status = SequenceStatus.WAITING
         seq.forks_pending = seq.params.n - 1 if seq.num_output_tokens == 0 else 0
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self._weights[seq.tenant] = seq.weight
+        self._push_waiting(seq)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Every waiting sequence, in sort-key order (the order of admission within a tenant)."""
+        return sorted(itertools.chain.from_iterable(self._waiting.values()), key=_sort_key)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def tenant_load(self) -> dict[str, tuple[int, int]]:
+        """(running, waiting) sequences of each tenant with any."""
+        tenants = {t for t, c in self._running_count.items() if c} | {t for t, q in self._waiting.items() if q}
+        return {t: (self._running_count[t], len(self._waiting.get(t, ()))) for t in sorted(tenants)}
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._num_waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Ends `seq` now and frees its blocks. Safe to call on a finished sequence."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         else:
-            self.waiting.remove(seq)
+            self._remove_waiting(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -75,14 +109,23 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        slots = fair_split(self.max_num_seqs, {t: self._running_count[t] + self._waiting_slots[t]
+                                               for t in self._tenants()}, self._weights)
+        self._preempt_for_share(slots, batch)
+        tokens = fair_split(self.max_num_batched_tokens, self._token_demands(), self._weights)
+        used: Counter[str] = Counter()
         budget = self.max_num_batched_tokens
+        cache_full = False
         unscheduled = list(self.running)  # candidates for preemption, in admission order
         while unscheduled and budget > 0:
             seq = unscheduled.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, tokens[seq.tenant] - used[seq.tenant])
+            if num_new <= 0:
+                continue  # its tenant's share of this step's tokens is spent
             while not self.block_manager.allocate_slots(seq, num_new):
-                # The newest / lowest-priority of those not yet scheduled gives way; possibly seq itself.
-                victim = max(unscheduled + [seq], key=lambda s: s.sort_key)
+                cache_full = True
+                # Of those not yet scheduled, the newest of the tenant most over its share gives way; possibly seq.
+                victim = max(unscheduled + [seq], key=self._victim_key)
                 if victim is seq:
                     self._preempt(seq, batch)
                     break
@@ -90,25 +133,9 @@ class Scheduler:
             else:
                 self._schedule(seq, num_new, batch)
                 budget -= num_new
-
-        # Admit waiting sequences; not in a step that had to preempt (the cache is full).
-        while self.waiting and budget > 0 and not batch.preempted:
-            seq = self.waiting[0]
-            if len(self.running) + 1 + seq.forks_pending > self.max_num_seqs:
-                break
-            cached = self.block_manager.find_cached_prefix(seq)  # waiting sequences hold no KV of their own
-            num_cached = len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, cached):
-                break
-            self.waiting.pop(0)
-            seq.num_computed_tokens += num_cached
-            seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._schedule(seq, num_new, batch)
-            budget -= num_new
-
+                used[seq.tenant] += num_new
+        if not cache_full:  # a step that had to preempt for blocks admits nothing: the cache is full
+            self._admit(batch, slots, budget)
         batch.block_copies = self.block_manager.take_pending_copies()
         return batch
 
@@ -132,7 +159,124 @@ class Scheduler:
                 filled[block] = max(filled.get(block, 0), used)
         return sum(filled.values()), len(filled) * size
 
+    # ---- fair share ------------------------------------------------------------------------
+
+    def _tenants(self) -> set[str]:
+        return {t for t, c in self._running_count.items() if c} | {t for t, q in self._waiting.items() if q}
+
+    def _token_demands(self) -> dict[str, int]:
+        """The tokens each tenant could compute this step: its running sequences' and, up to the budget,
+        those of the waiting ones at the front of its queue."""
+        demands = Counter()
+        for seq in self.running:
+            demands[seq.tenant] += seq.num_uncomputed_tokens
+        for tenant, queue in self._waiting.items():
+            for seq in queue:
+                if demands[tenant] >= self.max_num_batched_tokens:
+                    break
+                demands[tenant] += seq.num_uncomputed_tokens
+        return {t: min(d, self.max_num_batched_tokens) for t, d in demands.items()}
+
+    def _preempt_for_share(self, slots: dict[str, int], batch: ScheduledBatch) -> None:
+        """Make room for the waiting sequences of tenants under their share of slots, and the blocks
+        their first chunks need, by preempting the newest sequences of tenants over theirs."""
+        wanted: list[Sequence] = []  # the waiting sequences that fit in their tenant's share
+        wanted_slots = 0  # and the slots they would run in (as many of a sequence's samples as fit)
+        for tenant, queue in self._waiting.items():
+            room = slots.get(tenant, 0) - self._running_count[tenant]
+            for seq in queue:
+                if room <= 0:
+                    break
+                wanted.append(seq)
+                wanted_slots += min(room, 1 + seq.forks_pending)
+                room -= 1 + seq.forks_pending
+        if not wanted:
+            return
+        while self._over_share(slots) and (len(self.running) + wanted_slots > self.max_num_seqs
+                                           or self._blocks_short(wanted) > 0):
+            tenant = max(self._over_share(slots), key=lambda t: (self._running_count[t] - slots.get(t, 0), t))
+            self._preempt(max((s for s in self.running if s.tenant == tenant), key=_sort_key), batch)
+
+    def _over_share(self, slots: dict[str, int]) -> list[str]:
+        return [t for t, count in self._running_count.items() if count > slots.get(t, 0)]
+
+    def _blocks_short(self, wanted: list[Sequence]) -> int:
+        """Blocks missing for the running sequences' next token and the wanted sequences' first chunk
+        (without prefix-cache hits: an upper bound)."""
+        size = self.block_manager.block_size
+        need = sum(1 for s in self.running if s.num_computed_tokens + 1 > len(s.block_table) * size)
+        need += sum(self.block_manager.blocks_needed(min(s.num_uncomputed_tokens, self.max_num_batched_tokens))
+                    for s in wanted)
+        return need - self.block_manager.num_free_blocks
+
+    def _victim_key(self, seq: Sequence):
+        return (self._running_count[seq.tenant] / self._weights.get(seq.tenant, 1.0), seq.sort_key)
+
+    def _admit(self, batch: ScheduledBatch, slots: dict[str, int], budget: int) -> None:
+        """Admit waiting sequences while the budget lasts, tenants under their share of slots first (the
+        least served for its weight first), each tenant's queue in order. Once a tenant under its share
+        cannot be admitted (no slot, no blocks), no tenant over its share is: it would take the room
+        the other is about to get, and be preempted for it next step."""
+        stuck: set[str] = set()
+        under_share_stuck = False
+        while budget > 0:
+            tenants = [t for t, q in self._waiting.items() if q and t not in stuck]
+            if not tenants:
+                return
+            tenant = min(tenants, key=lambda t: (self._running_count[t] >= slots.get(t, 0),
+                                                 self._running_count[t] / self._weights.get(t, 1.0),
+                                                 self._waiting[t][0].sort_key))
+            over_share = self._running_count[tenant] >= slots.get(tenant, 0)
+            if over_share and under_share_stuck:
+                return
+            seq = self._waiting[tenant][0]
+            if len(self.running) >= self.max_num_seqs:
+                admitted = False
+            else:
+                cached = self.block_manager.find_cached_prefix(seq)  # waiting sequences hold no KV of their own
+                num_cached = len(cached) * self.block_manager.block_size
+                num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+                admitted = self.block_manager.allocate_slots(seq, num_new, cached)
+            if not admitted:
+                stuck.add(tenant)
+                under_share_stuck |= not over_share
+                continue
+            self._remove_waiting(seq)
+            seq.num_computed_tokens += num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self._start_running(seq)
+            self._schedule(seq, num_new, batch)
+            budget -= num_new
+
     # ---- internals -------------------------------------------------------------------------
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        bisect.insort(self._waiting.setdefault(seq.tenant, []), seq, key=_sort_key)
+        self._waiting_slots[seq.tenant] += 1 + seq.forks_pending
+        self._num_waiting += 1
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        queue = self._waiting[seq.tenant]
+        at = bisect.bisect_left(queue, seq.sort_key, key=_sort_key)  # sort keys are unique
+        if at < len(queue) and queue[at] is seq:
+            del queue[at]
+        else:
+            queue.remove(seq)
+        self._waiting_slots[seq.tenant] -= 1 + seq.forks_pending
+        self._num_waiting -= 1
+        if not queue:
+            del self._waiting[seq.tenant]
+
+    def _start_running(self, seq: Sequence) -> None:
+        self.running.append(seq)
+        self._running_count[seq.tenant] += 1
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._running_count[seq.tenant] -= 1
+        if not self._running_count[seq.tenant]:
+            del self._running_count[seq.tenant]
 
     def _schedule(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> None:
         row = len(batch.seqs)
@@ -144,23 +288,30 @@ class Scheduler:
             return  # a prompt chunk that does not reach the end samples nothing
         batch.samplers.append(seq)
         batch.logits_rows.append(row)
-        for _ in range(seq.forks_pending):
+        while seq.forks_pending:
             child = seq.fork(index=seq.params.n - seq.forks_pending)
+            seq.forks_pending -= 1
+            if len(self.running) >= self.max_num_seqs:
+                # No slot for this sample now: it waits with the prompt alone, whose blocks the prefix cache
+                # holds, so a request never needs all its n slots at once.
+                child.num_computed_tokens, child.num_cached_tokens, child.status = 0, 0, SequenceStatus.WAITING
+                self._push_waiting(child)
+                batch.deferred.append(child)
+                continue
             child.num_computed_tokens = computed_after  # the parent computes the shared KV this step
             self.block_manager.fork(seq, child)
-            self.running.append(child)
+            self._start_running(child)
             batch.samplers.append(child)
             batch.logits_rows.append(row)
-            seq.forks_pending -= 1
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, unscheduled: list[Sequence] | None = None) -> None:
         """Back to waiting with no KV: recomputed (prompt and output so far) when admitted again."""
-        self.running.remove(seq)
+        self._stop_running(seq)
         if unscheduled is not None:
             unscheduled.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self._push_waiting(seq)
         batch.preempted.append(seq)

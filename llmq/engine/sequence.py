@@ -30,7 +30,9 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     index: int = 0  # which of the request's n samples this is
-    priority: int = 0  # lower runs first; ties go first-come first-served
+    priority: int = 0  # lower runs first among its tenant's sequences; ties go first-come first-served
+    tenant: str = ""  # whose work this is: the scheduler shares slots and tokens fairly between tenants
+    weight: float = 1.0  # the tenant's weight in that sharing
     arrival: int = 0  # monotonic admission order, set by the scheduler
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_prompt_tokens: int = -1
@@ -82,7 +84,8 @@ class Sequence:
         """A sibling sample sharing everything computed so far (the block manager shares its blocks)."""
         return Sequence(
             request_id=self.request_id, token_ids=list(self.token_ids), params=self.params, index=index,
-            priority=self.priority, arrival=self.arrival, num_prompt_tokens=self.num_prompt_tokens,
+            priority=self.priority, tenant=self.tenant, weight=self.weight, arrival=self.arrival,
+            num_prompt_tokens=self.num_prompt_tokens,
             num_computed_tokens=self.num_computed_tokens, num_cached_tokens=self.num_cached_tokens,
             block_hashes=list(self.block_hashes), status=self.status,
             sampling_seed=self.sampling_seed + index,

@@ -524,6 +524,44 @@ def test_greedy_n_samples_all_equal_the_greedy_output(reference, cached, once_up
         assert [run.output(request_id, i).text for i in range(3)] == [once_upon.text] * 3
 
 
+def test_samples_beyond_max_num_seqs_wait_and_sample_as_if_forked(stories_dir, reference):
+    """With 4 slots, one of them held by another request, an n = 4 request runs 3 samples and the
+    fourth waits with the prompt alone (the prefix cache keeps its blocks). Each sample still draws
+    from its own seeded generator, so the outputs are those of a roomy engine."""
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=16)
+    roomy, (roomy_id,) = drive(reference, [(STORY, params)])
+    engine = make_llm(stories_dir, max_num_seqs=4).engine
+    narrow_params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=16)
+    other = engine.add_request("other", "Once upon a time", greedy(40))  # holds slots while STORY's samples run
+    engine.add_request("narrow", STORY, narrow_params)
+    run = step_until_done(engine, Run())
+    assert other.finish_reason == "length"
+    assert [run.output("narrow", i).token_ids for i in range(4)] == [roomy.output(roomy_id, i).token_ids
+                                                                     for i in range(4)]
+    assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+
+
+def test_tenants_share_an_engine_and_each_gets_what_it_would_alone(stories_dir, batch_requests, batch_expected):
+    """Fair share reorders work, never changes it: a flooding tenant and a small one, weighted 3 to 1,
+    on a narrow engine, get the greedy outputs of one request at a time."""
+    engine = make_llm(stories_dir, max_num_seqs=3, max_num_batched_tokens=64).engine
+    ids = []
+    for i, (prompt, params) in enumerate(batch_requests):
+        tenant, weight = ("flood", 3.0) if i % 4 else ("small", 1.0)
+        request_id = new_id(tenant)
+        engine.add_request(request_id, prompt, params, tenant=tenant, weight=weight)
+        ids.append(request_id)
+    run = step_until_done(engine, Run())
+    assert tokens_by_request(run, ids) == batch_expected
+
+
+def test_a_tenant_weight_must_be_a_positive_number(cached):
+    for weight in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="weight"):
+            cached.add_request(new_id(), "Once upon a time", greedy(2), tenant="t", weight=weight)
+    assert not cached.has_unfinished()
+
+
 # ---- abort --------------------------------------------------------------------------------------
 
 

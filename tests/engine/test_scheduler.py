@@ -436,19 +436,23 @@ def test_n_samples_fork_after_a_chunked_prefill():
     assert sched.block_manager.ref_counts[:2] == [2, 2]
 
 
-def test_n_samples_count_against_max_num_seqs_on_admission():
+def test_n_samples_beyond_max_num_seqs_wait_for_a_slot_with_the_prompt_alone():
     sched = make_scheduler(max_num_seqs=3)
     a = make_seq("a", range(4))
-    r = make_seq("r", range(10, 14), n=3)
+    r = make_seq("r", range(10, 19), n=3)
     sched.add(a)
     sched.add(r)
     batch = step(sched)
-    assert batch.seqs == [a]  # 1 running + r and its 2 forks would be 4 > 3
-    assert sched.waiting == [r]
+    assert batch.seqs == [a, r]  # r and one fork run; its third sample waits
+    assert [s.index for s in batch.samplers] == [0, 0, 1]
+    (waiter,) = batch.deferred
+    assert waiter.index == 2 and waiter.token_ids == list(range(10, 19))
+    assert sched.waiting == [waiter]
     sched.finish(a, "stop")
     batch = step(sched)
-    assert batch.seqs == [r]
-    assert len(batch.samplers) == 3
+    assert waiter in batch.seqs
+    assert waiter.num_cached_tokens == 8  # the prompt's two full blocks, from the prefix cache
+    assert batch.num_new_tokens[batch.seqs.index(waiter)] == 1
     assert len(sched.running) == 3
 
 
