@@ -65,6 +65,16 @@ def lease_key(request_id: str) -> str:
     return f"llmq:lease:{request_id}"
 
 
+def parked_tenants_key(model: str) -> str:
+    """The set of tenants with work parked for the model (workers/tenant_intake.py)."""
+    return f"llmq:parked:{model}"
+
+
+def parked_key(model: str, tenant: str) -> str:
+    """A tenant's parked work for the model: a sorted set, broker priority first, then oldest first."""
+    return f"llmq:parked:{model}:{tenant}"
+
+
 # ---- the events ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ LLMQ_HOME, and the project's own default model. Reading settings starts nothing 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,24 @@ def _flag(name: str) -> bool | None:
 def _str(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
+
+
+def _weights(name: str) -> tuple[tuple[str, float], ...]:
+    """`tenant=weight` pairs, comma-separated (`acme=3,beta=0.5`)."""
+    pairs = []
+    for part in (os.environ.get(name) or "").split(","):
+        if not part.strip():
+            continue
+        tenant, _, weight = part.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not tenant.strip() or not (0 < value < math.inf):
+            raise ValueError(f"environment variable {name} must be tenant=weight pairs with positive weights, "
+                             f"separated by commas (acme=3,beta=0.5); got {part.strip()!r}")
+        pairs.append((tenant.strip(), value))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,12 @@ class Settings:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
-    worker_threads: int | None = None  # Celery threads per worker; default: max_num_seqs
+    worker_threads: int | None = None  # Celery threads per worker; default: 2 x max_num_seqs
+    # Fair share: each tenant's weight (default 1) in the engine's split of slots and tokens, and the
+    # task threads one tenant may hold on a worker (default: max_num_seqs, enough to fill the engine);
+    # the rest wait for their turn (workers/tenant_intake.py), so other tenants always find a thread.
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    tenant_threads: int | None = None
     engine_nice: int | None = None  # see resolved_engine_nice
     background_stream_writes: bool | None = None  # see resolved_background_stream_writes
     # Run the engine in a process of its own (workers/engine_process.py) rather than in the Celery
@@ -111,6 +135,8 @@ class Settings:
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
+            tenant_weights=_weights("LLMQ_TENANT_WEIGHTS"),
+            tenant_threads=_int("LLMQ_TENANT_THREADS", 0) or None,
             engine_nice=_int("LLMQ_ENGINE_NICE", None),
             background_stream_writes=_flag("LLMQ_BACKGROUND_STREAM_WRITES"),
             engine_process=_flag("LLMQ_ENGINE_PROCESS") is not False,
@@ -136,6 +162,18 @@ class Settings:
         if self.background_stream_writes is not None:
             return self.background_stream_writes
         return self.device != "cpu"
+
+    def resolved_worker_threads(self) -> int:
+        """A worker's Celery threads: by default room for one tenant's share and as much again."""
+        return self.worker_threads or 2 * self.max_num_seqs
+
+    def resolved_tenant_threads(self) -> int:
+        """The task threads one tenant may hold on a worker (never all of them while there are two)."""
+        threads = self.resolved_worker_threads()
+        return max(1, min(self.tenant_threads or self.max_num_seqs, threads - 1 if threads > 1 else 1))
+
+    def tenant_weight(self, tenant: str) -> float:
+        return dict(self.tenant_weights).get(tenant, 1.0)
 
     @property
     def bootstrapped(self) -> bool:

@@ -78,3 +78,23 @@ def test_reading_settings_starts_nothing_and_bootstrap_fills_in_the_default_mode
     config = ready.engine_config()
     assert (config.model, config.device, config.max_num_seqs) == (ready.model_path, "cpu", ready.max_num_seqs)
     assert bootstrap(ready) is ready  # bootstrapped settings are left as they are
+
+
+def test_tenant_weights_and_threads(monkeypatch):
+    monkeypatch.setenv("LLMQ_TENANT_WEIGHTS", " acme=3, beta=0.5 ,")
+    monkeypatch.setenv("LLMQ_MAX_NUM_SEQS", "16")
+    settings = Settings.from_env()
+    assert settings.tenant_weights == (("acme", 3.0), ("beta", 0.5))
+    assert (settings.tenant_weight("acme"), settings.tenant_weight("beta"), settings.tenant_weight("other")) == (
+        3.0, 0.5, 1.0)
+    assert (settings.resolved_worker_threads(), settings.resolved_tenant_threads()) == (32, 16)
+    monkeypatch.setenv("LLMQ_WORKER_THREADS", "10")
+    monkeypatch.setenv("LLMQ_TENANT_THREADS", "50")
+    assert Settings.from_env().resolved_tenant_threads() == 9  # one thread is always left to the others
+
+
+@pytest.mark.parametrize("value", ["acme", "acme=0", "acme=-1", "acme=inf", "acme=nan", "=2", "acme=two"])
+def test_a_bad_tenant_weight_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("LLMQ_TENANT_WEIGHTS", value)
+    with pytest.raises(ValueError, match="LLMQ_TENANT_WEIGHTS"):
+        Settings.from_env()

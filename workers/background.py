@@ -25,13 +25,16 @@ def start(runtime: WorkerRuntime, celery_app: Celery, stop: threading.Event) -> 
 
 
 def heartbeats(runtime: WorkerRuntime, stop: threading.Event) -> None:
-    """Every heartbeat_seconds: this worker's load under llmq:workers, and its leases renewed (a
-    request whose lease another worker took is handed back)."""
+    """Every heartbeat_seconds: this worker's load under llmq:workers, its leases renewed (a request
+    whose lease another worker took is handed back), and parked work that its idle threads have room
+    for sent back to the queue (workers/tenant_intake.py)."""
     settings, client = runtime.settings, runtime.redis
     while not stop.wait(settings.heartbeat_seconds):
-        beat = {"model": settings.resolved_model_name(), "at": time.time(), **runtime.engine.stats()}
+        beat = {"model": settings.resolved_model_name(), "at": time.time(), **runtime.engine.stats(),
+                "tenant_threads": runtime.intake.in_flight()}
         try:
             client.hset(WORKERS_KEY, runtime.name, json.dumps(beat))
+            runtime.intake.resume_idle()
             for request_id in runtime.leases.renew_all():
                 runtime.engine.hand_back(request_id)
         except redis.RedisError as err:

@@ -26,12 +26,14 @@ from llmq.bootstrap import bootstrap
 from llmq.celery_config import celery_config
 from llmq.protocol.prepare import ServedModel
 from llmq.redis_client import redis_client
+from llmq.settings import queue_name
 from llmq.store.database import Database
 from workers import background
 from workers.engine_client import EngineClient
 from workers.leases import Leases
 from workers.publisher import StreamPublisher
 from workers.runtime import WorkerRuntime
+from workers.tenant_intake import ParkedWork, TenantIntake
 
 # llmq's own loggers (the engine's memory budget, resumed requests, the loop's progress) at INFO:
 # Celery leaves the root logger alone (worker_hijack_root_logger is off), and the engine process
@@ -40,7 +42,7 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name
 settings = bootstrap()
 celery_app = Celery("llmq")
 celery_app.config_from_object(celery_config(settings))
-celery_app.conf.update(worker_pool="threads", worker_concurrency=settings.worker_threads or settings.max_num_seqs)
+celery_app.conf.update(worker_pool="threads", worker_concurrency=settings.resolved_worker_threads())
 celery_app.runtime = None  # a WorkerRuntime once the worker has started (start_engine)
 
 import workers.tasks  # noqa: E402,F401  (registers the tasks)
@@ -63,13 +65,20 @@ def start_engine(sender=None, **_):
         log.critical("the engine could not start; this worker exits", exc_info=True)
         raise SystemExit(1) from None
     name = getattr(sender, "hostname", None) or "worker"
+    model_name = settings.resolved_model_name()
+    intake = TenantIntake(client, model_name, settings.resolved_worker_threads(), settings.resolved_tenant_threads(),
+                          settings.tenant_weight, partial(_send_parked, queue_name(model_name)))
     runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
                             publisher=publisher, engine=engine,
                             model=ServedModel.of_settings(settings),
-                            leases=Leases(client, name, settings.lease_seconds), name=name)
+                            leases=Leases(client, name, settings.lease_seconds), intake=intake, name=name)
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)
     log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), settings.model_path)
+
+
+def _send_parked(queue: str, work: ParkedWork) -> None:
+    celery_app.send_task(work.task, args=[work.arg], queue=queue, priority=work.priority)
 
 
 def _engine_client(publisher: StreamPublisher) -> EngineClient:

@@ -12,10 +12,11 @@ from workers.messages import EngineRequest, EngineResult
 
 def execute(engine: EngineClient, request_id: str, prepared: PreparedRequest, model: str,
             created: int | None = None, resume_from: StreamProgress | None = None,
-            priority: int = 0) -> tuple[dict, EngineResult]:
+            priority: int = 0, tenant: str = "", weight: float = 1.0) -> tuple[dict, EngineResult]:
     """Run a request to the end (publishing its tokens as they come), going on from `resume_from` if
     an earlier run was interrupted. Raises InvalidRequest, HandedBack or EngineFailure."""
-    result = engine.run(EngineRequest(request_id, prepared.prompt_token_ids, prepared.params, resume_from, priority))
+    result = engine.run(EngineRequest(request_id, prepared.prompt_token_ids, prepared.params, resume_from, priority,
+                                      tenant, weight))
     spec = prepared.response_spec(request_id, model, created or int(time.time()))
     return response_object(spec, progress_of(result), engine.tokenizer.token_text), result
 

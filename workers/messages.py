@@ -40,7 +40,9 @@ class EngineRequest:
     prompts: tuple[tuple[int, ...], ...]
     params: SamplingParams
     resume_from: StreamProgress | None = None  # what an earlier run of this request already streamed
-    priority: int = 0  # the scheduler's: lower is admitted first
+    priority: int = 0  # the scheduler's, within the tenant's work: lower is admitted first
+    tenant: str = ""  # whose request: the scheduler shares slots and tokens fairly between tenants
+    weight: float = 1.0  # the tenant's weight in that share (LLMQ_TENANT_WEIGHTS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompts", tuple(tuple(ids) for ids in self.prompts))

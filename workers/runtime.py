@@ -11,6 +11,7 @@ from llmq.store.database import Database
 from workers.engine_client import EngineClient
 from workers.leases import Leases
 from workers.publisher import StreamPublisher
+from workers.tenant_intake import TenantIntake
 
 
 @dataclass(frozen=True)
@@ -22,4 +23,5 @@ class WorkerRuntime:
     engine: EngineClient
     model: ServedModel  # what batch lines are prepared for
     leases: Leases
+    intake: TenantIntake  # how many task threads each tenant holds, and its work parked for later
     name: str  # the worker's Celery hostname, as its heartbeats and leases say it

@@ -212,7 +212,8 @@ class EngineService:
             before = [streamed.get(k * n + s) for s in range(n)]
             if not any(c is not None and (c.token_ids or c.finish_reason) for c in before):
                 engine_id = f"{job.request_id}#{k}"
-                self.engine.add_request(engine_id, prompt, request.params, request.priority)
+                self.engine.add_request(engine_id, prompt, request.params, request.priority, tenant=request.tenant,
+                                        weight=request.weight)
                 job.routes[engine_id] = (k, 0)
                 job.outputs.append([CompletionOutput(i) for i in range(n)])
             else:
@@ -221,7 +222,8 @@ class EngineService:
                     if output.finish_reason is None:
                         engine_id = f"{job.request_id}#{k}.{s}"
                         self.engine.add_request(engine_id, prompt, one_sample(request.params, s), request.priority,
-                                                resume=ResumePoint(tuple(output.token_ids), len(output.text)))
+                                                resume=ResumePoint(tuple(output.token_ids), len(output.text)),
+                                                tenant=request.tenant, weight=request.weight)
                         job.routes[engine_id] = (k, s)
         for engine_id in job.routes:
             self._by_engine_id[engine_id] = job

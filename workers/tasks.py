@@ -5,7 +5,9 @@ Every task is safe to run twice (late acknowledgement redelivers a crashed worke
 database says what is already done, the request's lease (workers/leases.py) keeps a second delivery
 from running it while the first still does, and the request's stream is its checkpoint, so a
 request taken over from a dead or stopping worker goes on from the tokens it had already streamed.
-A worker that is stopping hands its requests back: the task is rejected and requeued.
+A worker that is stopping hands its requests back: the task is rejected and requeued. A tenant
+holding its share of the worker's threads has its task's work parked for later (returns "parked",
+see workers/tenant_intake.py), so the other tenants' tasks find a thread.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from llmq.streams import is_cancelled, read_progress
 from workers.completion_runner import execute
 from workers.messages import EngineFailure, EngineResult, HandedBack, StreamWriteFailure
 from workers.runtime import WorkerRuntime
+from workers.tenant_intake import ParkedWork
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +90,23 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
                 "cancelled", "the request was cancelled before it started", t=time.time()), finished=True)
             return RequestStatus.CANCELLED
         kind, body, prepared, model = request.kind, request.body, request.prepared, request.model
-        created = int(request.created_at)
-    if not runtime.leases.acquire_when_free(request_id, lambda: _request_finished(runtime, request_id)):
-        return "skipped"
-    try:
-        return _complete_leased(runtime, request_id, _prepared(runtime, kind, body, prepared), model, created)
-    except InvalidRequest as err:  # a row stored before requests were prepared at intake, refused now
-        return _fail_request(runtime, request_id, err)
-    finally:
-        runtime.leases.release(request_id)
+        created, tenant = int(request.created_at), request.tenant
+    with runtime.intake.turn(tenant, ParkedWork("llmq.complete", request_id)) as now:
+        if not now:
+            return "parked"
+        if not runtime.leases.acquire_when_free(request_id, lambda: _request_finished(runtime, request_id)):
+            return "skipped"
+        try:
+            return _complete_leased(runtime, request_id, _prepared(runtime, kind, body, prepared), model, created,
+                                    tenant)
+        except InvalidRequest as err:  # a row stored before requests were prepared at intake, refused now
+            return _fail_request(runtime, request_id, err)
+        finally:
+            runtime.leases.release(request_id)
 
 
 def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str,
-                     created: int) -> str:
+                     created: int, tenant: str) -> str:
     checkpoint = _checkpoint(runtime, request_id)
     with runtime.db.session() as session:
         request = session.get(Request, request_id)
@@ -110,7 +117,8 @@ def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: Prepared
             return RequestStatus.FAILED
         request.status, request.started_at = RequestStatus.RUNNING, request.started_at or time.time()
     try:
-        response, result = _execute(runtime, request_id, prepared, model, created, checkpoint, API_ENGINE_PRIORITY)
+        response, result = _execute(runtime, request_id, prepared, model, created, checkpoint, API_ENGINE_PRIORITY,
+                                    tenant)
     except HandedBack:
         with runtime.db.session() as session:
             session.get(Request, request_id).status = RequestStatus.QUEUED
@@ -167,15 +175,19 @@ def run_item(runtime: WorkerRuntime, item_id: int) -> str:
                 batch_lifecycle.finalize_if_done(session, item.batch_id)
             return "skipped"
         item, batch = claimed
-        line = _BatchLine(item_id, batch.id, item.request_id, item.custom_id, item.line, batch.model,
+        line = _BatchLine(item_id, batch.id, batch.tenant, item.request_id, item.custom_id, item.line, batch.model,
                           CHAT if batch.endpoint.endswith("/chat/completions") else COMPLETION, item.body,
                           item.prepared)
-    if not runtime.leases.acquire_when_free(line.request_id, lambda: _item_finished(runtime, item_id)):
-        return "skipped"
-    try:
-        return _run_item_leased(runtime, line)
-    finally:
-        runtime.leases.release(line.request_id)
+    work = ParkedWork("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY)
+    with runtime.intake.turn(line.tenant, work) as now:
+        if not now:
+            return "parked"  # claimed (running, in the database), to run when its tenant has a thread
+        if not runtime.leases.acquire_when_free(line.request_id, lambda: _item_finished(runtime, item_id)):
+            return "skipped"
+        try:
+            return _run_item_leased(runtime, line)
+        finally:
+            runtime.leases.release(line.request_id)
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,7 @@ class _BatchLine:
 
     item_id: int
     batch_id: str
+    tenant: str
     request_id: str
     custom_id: str
     line: int
@@ -197,7 +210,7 @@ def _run_item_leased(runtime: WorkerRuntime, line: _BatchLine) -> str:
     try:
         prepared = _prepared(runtime, line.kind, line.body, line.prepared)
         response, result = _execute(runtime, line.request_id, prepared, line.model, None,
-                                    _checkpoint(runtime, line.request_id), BATCH_ENGINE_PRIORITY)
+                                    _checkpoint(runtime, line.request_id), BATCH_ENGINE_PRIORITY, line.tenant)
         status = ItemStatus.CANCELLED if result.cancelled else ItemStatus.COMPLETED
         output = batch_lifecycle.success_line(line.custom_id, response) if status == ItemStatus.COMPLETED else None
     except HandedBack:
@@ -218,7 +231,7 @@ REDIS_OUTAGE_RETRIES = 3  # runs of one request that Redis going away may cut sh
 
 
 def _execute(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str, created: int | None,
-             checkpoint: StreamProgress | None, priority: int) -> tuple[dict, EngineResult]:
+             checkpoint: StreamProgress | None, priority: int, tenant: str) -> tuple[dict, EngineResult]:
     """execute(); a run cut short because Redis was away past the client's retry window (its tokens
     could not be written) goes on from the request's checkpoint once Redis answers again: the outage
     was the only fault. At most REDIS_OUTAGE_RETRIES times, each within LLMQ_REDIS_OUTAGE_SECONDS."""
@@ -226,7 +239,7 @@ def _execute(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest,
     while True:
         try:
             return execute(runtime.engine, request_id, prepared, model, created, resume_from=checkpoint,
-                           priority=priority)
+                           priority=priority, tenant=tenant, weight=runtime.settings.tenant_weight(tenant))
         except StreamWriteFailure as err:
             retries += 1
             if retries > REDIS_OUTAGE_RETRIES or not _redis_answers(runtime, runtime.settings.redis_outage_seconds):

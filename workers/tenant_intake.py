@@ -1,0 +1,158 @@
+"""A worker's task threads, shared fairly between tenants, and the work parked until its turn.
+
+A task holds its thread for as long as its request runs, so a tenant that floods the queue would
+otherwise take every thread of every worker, and another tenant's request would wait at the broker
+until one of the flood's requests ended, however fair the engine is once a request is in it. So a
+tenant holds at most LLMQ_TENANT_THREADS of a worker's threads (by default max_num_seqs, enough to
+keep the engine full on its own). A task of a tenant at that limit does not run: it parks its work
+in Redis (`llmq:parked:{model}:{tenant}`, a sorted set: the broker priority, then first come first
+served) and returns at once, so the worker's other threads stay free for whoever comes next, and
+the queue does not hold the flood in front of them.
+
+Parked work goes back to the broker when there is room for it: each time a task ends, its worker
+sends the parked work of the tenant with the fewest threads for its weight that is under its limit;
+and every heartbeat, a worker with idle threads sends what fits (a new worker, or a tenant whose
+tasks all ended elsewhere). The database still says the work is queued, so the sweep sends it again
+should Redis lose it; a second delivery is harmless, as ever. Celery-free: `send` is handed in.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import orjson
+import redis
+
+from llmq.events import parked_key, parked_tenants_key
+
+log = logging.getLogger(__name__)
+
+# Pop the oldest of the highest priority; forget the tenant once it has nothing parked.
+_POP = """
+local work = redis.call('zpopmin', KEYS[2])
+if redis.call('zcard', KEYS[2]) == 0 then redis.call('srem', KEYS[1], ARGV[1]) end
+return work[1]
+"""
+
+_PRIORITY_SCALE = 1e13  # a score is priority * this + the time parked in ms, which stays below it
+
+
+@dataclass(frozen=True)
+class ParkedWork:
+    """A task to send again: its name, its one argument, and its broker priority."""
+
+    task: str
+    arg: str | int
+    priority: int = 0
+
+    def encode(self) -> bytes:
+        return orjson.dumps([self.task, self.arg, self.priority])
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ParkedWork":
+        task, arg, priority = orjson.loads(raw)
+        return cls(task, arg, priority)
+
+
+class TenantIntake:
+    def __init__(self, client: redis.Redis, model: str, threads: int, tenant_threads: int,
+                 weight: Callable[[str], float], send: Callable[[ParkedWork], None]):
+        self.client, self.model = client, model
+        self.threads, self.tenant_threads = threads, tenant_threads
+        self.weight, self.send = weight, send
+        self._in_flight: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._pop = client.register_script(_POP)
+
+    @contextmanager
+    def turn(self, tenant: str, work: ParkedWork) -> Iterator[bool]:
+        """True: run `work` now, in this thread (it counts against the tenant until the block ends,
+        and then the next parked work is sent). False: the tenant is at its limit and `work` is parked."""
+        if not self._enter(tenant):
+            try:
+                self.park(tenant, work)
+            except redis.RedisError as err:  # nowhere to park: run it rather than lose it
+                log.warning("could not park %s of tenant %s (%s); running it now", work.task, tenant, err)
+                with self._lock:
+                    self._in_flight[tenant] += 1
+            else:
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            with self._lock:
+                self._in_flight[tenant] -= 1
+                if not self._in_flight[tenant]:
+                    del self._in_flight[tenant]
+            self.resume(limit=1)
+
+    def in_flight(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._in_flight)
+
+    def park(self, tenant: str, work: ParkedWork) -> None:
+        score = work.priority * _PRIORITY_SCALE + int(time.time() * 1000)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zadd(parked_key(self.model, tenant), {work.encode(): score})
+        pipe.sadd(parked_tenants_key(self.model), tenant)
+        pipe.execute()
+
+    def parked(self) -> dict[str, int]:
+        """How much work each tenant has parked for this model."""
+        tenants = sorted(t.decode() for t in self.client.smembers(parked_tenants_key(self.model)))
+        pipe = self.client.pipeline(transaction=False)
+        for tenant in tenants:
+            pipe.zcard(parked_key(self.model, tenant))
+        return {tenant: count for tenant, count in zip(tenants, pipe.execute()) if count}
+
+    def resume(self, limit: int) -> int:
+        """Send up to `limit` parked works back to the broker, no more than this worker has idle
+        threads for: each to the tenant with the fewest threads here for its weight, of those under
+        their limit. Returns how many were sent. Redis or the broker away: what could not be sent
+        stays parked, and the next chance tries again."""
+        sent = 0
+        try:
+            parked = self.parked() if limit > 0 else {}
+            with self._lock:
+                budget = min(limit, self.threads - sum(self._in_flight.values()))
+                load = Counter({t: self._in_flight[t] for t in parked})
+            while sent < budget:
+                tenants = [t for t, count in parked.items() if count > 0 and load[t] < self.tenant_threads]
+                if not tenants:
+                    break
+                tenant = min(tenants, key=lambda t: (load[t] / self.weight(t), t))
+                raw = self._pop(keys=[parked_tenants_key(self.model), parked_key(self.model, tenant)], args=[tenant])
+                if raw is None:  # another worker took the rest
+                    parked[tenant] = 0
+                    continue
+                work = ParkedWork.decode(raw)
+                try:
+                    self.send(work)
+                except Exception:
+                    self.park(tenant, work)
+                    raise
+                parked[tenant] -= 1
+                load[tenant] += 1
+                sent += 1
+        except Exception as err:
+            log.warning("could not send parked work back to the queue (%s); trying again later", err)
+        return sent
+
+    def resume_idle(self) -> int:
+        """What a heartbeat sends: as much parked work as this worker has idle threads for."""
+        with self._lock:
+            idle = self.threads - sum(self._in_flight.values())
+        return self.resume(limit=idle)
+
+    def _enter(self, tenant: str) -> bool:
+        with self._lock:
+            if self._in_flight[tenant] >= self.tenant_threads:
+                return False
+            self._in_flight[tenant] += 1
+            return True
