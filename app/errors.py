@@ -13,6 +13,11 @@ from werkzeug.exceptions import HTTPException
 from app.services import services
 from llmq.errors import InvalidRequest
 
+try:  # the Procfile's server; the app runs under others too
+    from gunicorn.http.errors import ParseException as _BodyParseError
+except ImportError:
+    _BodyParseError = None
+
 log = logging.getLogger(__name__)
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
@@ -81,6 +86,14 @@ def register_error_handlers(app: Flask) -> None:
         return error_response(503, "Redis (the task queue and the token streams) is unavailable or still loading; "
                                    f"try again in {REDIS_RETRY_AFTER_S} s", code="service_unavailable",
                               headers={"Retry-After": str(REDIS_RETRY_AFTER_S)})
+
+    if _BodyParseError is not None:
+        @app.errorhandler(_BodyParseError)
+        def _unreadable_body(err: Exception):
+            # gunicorn reads a chunked body as the app asks for it, so its chunk errors surface here;
+            # what is left of the body cannot be parsed either, so the connection closes.
+            return error_response(400, f"The request body could not be read: {excerpt(str(err), 200)}",
+                                  code="invalid_request", headers={"Connection": "close"})
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):

@@ -15,6 +15,11 @@ has brought; event numbers tell what a reader has had, so it gets nothing twice.
 wakes the hub (a message on the hub's own wake channel) so its catch-up does not wait for the next
 step. The thread starts with the first reader and ends when none has been left for IDLE_EXIT_S.
 
+A stream's events are numbered without a gap from 1, so a catch-up that finds its next event gone
+(Redis evicted or trimmed the stream's start) knows that the replay cannot be whole: instead of text
+that differs from the request's result without saying so, the reader gets one error event,
+`stream_incomplete`, that says where the whole result is.
+
 A plain Redis client reads a stream the same way: XREAD from the last entry id it has (README.md).
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import orjson
 import redis
 
 from llmq import events
-from llmq.events import STEPS_CHANNEL, DeltaEvent, Event, stream_key
+from llmq.events import STEPS_CHANNEL, DeltaEvent, ErrorEvent, Event, stream_key
 from llmq.streams import entry_id_key, stream_entry
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,9 @@ Entry = tuple[str, Event]  # (stream entry id "0-<n>", the event)
 class _Reader:
     """One consumer of one stream: the hub puts lists of (entry id, event) on its queue, in order."""
 
-    def __init__(self, key: str, last_id: str):
-        self.key = key
+    def __init__(self, request_id: str, last_id: str):
+        self.request_id = request_id
+        self.key = stream_key(request_id)
         self.last_id = last_id  # the last entry handed over (kept by the hub thread)
         self.caught_up = False  # False: the next hand-over to it must come from its stream, not a message
         self.queue: queue.SimpleQueue[list[Entry]] = queue.SimpleQueue()
@@ -64,7 +70,7 @@ class StreamHub:
         """Yield (entry id, event) from the request's stream after `last_id`, waiting for new ones,
         until a done or error event. Yields (None, None) after each `idle_s` with nothing new, so a
         caller can check its client is still there; stops after `timeout` seconds without any event."""
-        reader = _Reader(stream_key(request_id), last_id)
+        reader = _Reader(request_id, last_id)
         try:
             self._join(reader)
             idle_since = time.monotonic()
@@ -215,7 +221,26 @@ class StreamHub:
                     log.warning("stream hub: reading %s after %s: %s", reader.key, position, entries)
                     entries = []
                 fresh = [(entry_id, events.decode(data)) for entry_id, data in map(stream_entry, entries)]
+                if fresh and _missing_before(position, fresh[0][0]):
+                    fresh = [(None, _incomplete(reader.request_id, position, fresh[0][0]))]
                 reader.caught_up = True
                 if fresh:
                     reader.last_id = fresh[-1][0]
                     handed.setdefault(reader, []).extend(fresh)
+
+
+def _missing_before(position: str, first_id: str) -> bool:
+    """Whether the stream lacks events between a reader's position and the first entry read after it
+    (ids "0-<n>", numbered from 1 without a gap)."""
+    (ms, number), first = entry_id_key(position), entry_id_key(first_id)
+    return ms == 0 and first[0] == 0 and first[1] > number + 1
+
+
+def _incomplete(request_id: str, position: str, first_id: str) -> ErrorEvent:
+    start, first = entry_id_key(position)[1] + 1, entry_id_key(first_id)[1]
+    gone = f"event {start}" if first - 1 == start else f"events {start} to {first - 1}"
+    return ErrorEvent("stream_incomplete",
+                      f"this request's stream no longer holds {gone} (Redis evicted or trimmed them), so a replay "
+                      f"from here would not be whole; GET /v1/requests/{request_id} has the request's result once "
+                      "it has ended", t=time.time())
+

@@ -194,7 +194,8 @@ class LocalStack:
         port = port or free_port()
         out = open(self.log_dir / "web.log", "a") if self.log_dir else subprocess.DEVNULL
         self.web_process = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "1", "--threads", "128",
+            [sys.executable, "-m", "gunicorn", "--worker-class", "app.gunicorn_worker.OpenAIErrorsThreadWorker",
+             "--workers", "1", "--threads", "128",
              "--bind", f"127.0.0.1:{port}", "app:create_app()"],
             cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{port}"

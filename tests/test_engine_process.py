@@ -93,6 +93,34 @@ def test_a_cancel_reaches_the_engine_process(engine_process, redis_url):
     assert job.cancelled and job.completion_tokens < 500
 
 
+def test_a_cancel_ends_a_very_large_request_at_the_next_step(engine_process, redis_url):
+    """300 prompts x 4 samples on an engine of 8 slots: almost all of it waits. A cancel ends every
+    one of its 1,200 choices within a step or two of arriving, and the engine serves on."""
+    client = redis.Redis.from_url(redis_url)
+    prompts = [engine_process.tokenizer.encode(f"Story {i}: once upon a time") for i in range(300)]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=400, ignore_eos=True)
+    ended = []
+    request = EngineRequest("huge", prompts, params)
+    runner = threading.Thread(target=lambda: ended.append(engine_process.run(request)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while read_progress(client, "huge").num_tokens < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    steps_at_cancel = engine_process.stats()["steps"]
+    engine_process.cancel("huge")
+    runner.join(30)
+    [job] = ended
+    time.sleep(0.3)  # the child's figures come with its next report
+    assert engine_process.stats()["steps"] - steps_at_cancel <= 3
+    finished = [o.finish_reason for outs in job.outputs for o in outs]
+    assert len(finished) == 1200 and finished.count("abort") >= 1190
+    assert job.completion_tokens < 1200
+    progress = read_progress(client, "huge")
+    assert len(progress.choices) == 1200 and all(c.finish_reason for c in progress.choices.values())
+    after = EngineRequest("after-huge", [engine_process.tokenizer.encode("Hi")], SamplingParams(temperature=0, max_tokens=2))
+    assert engine_process.run(after).completion_tokens == 2
+
+
 # A worker stand-in: starts an engine process, prints its pid, then waits to be killed, or ("exit")
 # returns from its main module without stopping it.
 PARENT = textwrap.dedent("""

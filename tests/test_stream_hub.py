@@ -159,7 +159,7 @@ def test_a_step_goes_to_the_readers_it_continues_and_the_others_read_their_strea
     # not yet caught up (it just joined) gets nothing from it and is left for a read of its stream.
     hub = StreamHub(redis_db)
     key = stream_key("g")
-    at_7, at_5, joined = _Reader(key, "0-7"), _Reader(key, "0-5"), _Reader(key, "0-7")
+    at_7, at_5, joined = _Reader("g", "0-7"), _Reader("g", "0-5"), _Reader("g", "0-7")
     at_7.caught_up = at_5.caught_up = True
     hub._readers[key] = {at_7, at_5, joined}
     handed = {}
@@ -172,3 +172,26 @@ def test_a_step_goes_to_the_readers_it_continues_and_the_others_read_their_strea
     handed = {}
     hub._route([[key, 9, ninth]], handed)  # a repeat of what it has
     assert handed == {} and at_7.caught_up
+
+
+@pytest.mark.parametrize("last_id, expected", [
+    ("0-0", "events 1 to 5"),  # from the start: the stream's start is gone
+    ("0-4", "event 5"),
+])
+def test_a_replay_that_cannot_be_whole_says_so(redis_db, last_id, expected):
+    write(redis_db, "trimmed", 1, [token_event(i) for i in range(1, 10)] + [DONE])
+    redis_db.xtrim(stream_key("trimmed"), minid="0-6", approximate=False)  # as Redis evicting or trimming its start would
+    got = []
+    collect(StreamHub(redis_db), "trimmed", got, last_id).join(10)
+    [(entry_id, event)] = got
+    assert entry_id is None and event.code == "stream_incomplete"
+    assert expected in event.message and "GET /v1/requests/trimmed" in event.message
+
+
+def test_a_replay_from_what_the_stream_still_holds_is_whole(redis_db):
+    write(redis_db, "trimmed-later", 1, [token_event(i) for i in range(1, 10)] + [DONE])
+    redis_db.xtrim(stream_key("trimmed-later"), minid="0-6", approximate=False)
+    got = []
+    collect(StreamHub(redis_db), "trimmed-later", got, "0-5").join(10)
+    assert [entry_id for entry_id, _ in got] == ["0-6", "0-7", "0-8", "0-9", "0-10"]
+

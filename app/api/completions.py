@@ -11,6 +11,7 @@ watched that way under WSGI; its request runs to the end.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from flask import Blueprint, Response, jsonify, stream_with_context
@@ -21,11 +22,11 @@ from app.auth import current_tenant
 from app.services import services
 from app.sse import DONE, HEARTBEAT, sse_data
 from app.stream_hub import StreamHub
-from llmq.events import StreamProgress
+from llmq.events import ErrorEvent, StreamProgress
 from llmq.protocol.openai import new_id
 from llmq.protocol.prepare import CHAT, COMPLETION, prepare
 from llmq.protocol.responses import ChunkBuilder, ResponseSpec, error_reply, response_object
-from llmq.store.models import Request, RequestStatus
+from llmq.store.models import TERMINAL_REQUEST_STATES, Request, RequestStatus
 from llmq.streams import request_cancel
 
 blueprint = Blueprint("completions", __name__, url_prefix="/v1")
@@ -104,10 +105,29 @@ def wait_for_response(spec: ResponseSpec):
     for _entry_id, event in common.stream_hub().read_events(spec.id):
         if event is not None:
             progress.add(event)
+    if progress.error is not None and progress.error.code == "stream_incomplete":
+        return stored_response(spec.id)  # the stream lost events: the result is whole in the database
     if progress.error is not None:
         status, body = error_reply(progress.error)
         return jsonify(body), status
     return response_object(spec, progress, common.tokenizer().token_text)
+
+
+def stored_response(request_id: str, poll_s: float = 0.25):
+    """The request's result as its worker stored it, once it has ended."""
+    while True:
+        with common.db().read() as session:
+            row = session.get(Request, request_id)
+            if row.status in TERMINAL_REQUEST_STATES:
+                response, error = row.response, row.error
+                break
+        time.sleep(poll_s)
+    if response is not None:
+        return response
+    event = (ErrorEvent(error["code"], error["message"], error.get("param")) if error
+             else ErrorEvent("cancelled", "the request was cancelled before it started"))
+    status, body = error_reply(event)
+    return jsonify(body), status
 
 
 def completion_chunks(spec: ResponseSpec, redis, hub: StreamHub, token_text, cancel_ttl: int):
