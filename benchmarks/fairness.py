@@ -5,7 +5,7 @@ idle and with B at work.
     python benchmarks/fairness.py                  # about 3 minutes on a 2-core machine
     python benchmarks/fairness.py --b-requests 100 --batch-lines 2000
 
-It starts its own stack (a private Redis, SQLite, one Celery worker, the web server) serving the
+It starts its own stack (a private Redis, SQLite, one Celery worker, gunicorn as the Procfile runs it) serving the
 stories260k model the tests ship, and two API keys, tenants A and B, of equal weight. Three phases:
 1. B alone: B sends --b-requests streamed completions of --b-max-tokens tokens, one after another;
    time to first token (TTFT) is the time from sending to the first text chunk.
@@ -45,8 +45,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def b_requests(base_url: str, headers: dict, model: str, count: int, max_tokens: int) -> list[float]:
-    """B's streamed completions, one after another: the TTFT of each, in ms."""
+def b_requests(base_url: str, headers: dict, model: str, count: int, max_tokens: int,
+               timelines: list | None = None) -> list[float]:
+    """B's streamed completions, one after another: the TTFT of each, in ms. With `timelines`, also
+    where each one's time went: (sent, stored, started by a worker, first token) in ms from sending."""
     ttfts = []
     with httpx.Client(base_url=base_url, timeout=300, headers=headers) as client:
         for i in range(count):
@@ -57,12 +59,20 @@ def b_requests(base_url: str, headers: dict, model: str, count: int, max_tokens:
             with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     raise RuntimeError(f"B's request failed: HTTP {response.status_code} {response.read()[:200]!r}")
+                request_id = None
                 for line in response.iter_lines():
+                    if request_id is None and line.startswith("data: {"):
+                        request_id = json.loads(line[6:])["id"]
                     if first is None and line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
                         first = time.perf_counter()
             if first is None:
                 raise RuntimeError("B's stream ended without a token")
             ttfts.append(1000 * (first - started))
+            if timelines is not None:
+                row = client.get(f"/v1/requests/{request_id}").json()
+                sent = time.time() - (time.perf_counter() - started)
+                timelines.append({"ttft": ttfts[-1], **{k: round(1000 * (row[k] - sent)) for k in
+                                                        ("created_at", "started_at", "first_token_at") if row[k]}})
     return ttfts
 
 
@@ -131,9 +141,9 @@ def main() -> None:
     args = _arguments()
     home = tempfile.mkdtemp(prefix="llmq-fairness-")
     env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "LLMQ_HEARTBEAT_SECONDS": "1",
-           "LLMQ_MAX_NUM_SEQS": str(args.max_num_seqs), "MODEL_PATH": str(args.model)}
+           "LLMQ_MAX_NUM_SEQS": str(args.max_num_seqs), "MODEL_PATH": str(args.model), **dict(args.env)}
     print(f"starting: Redis, 1 worker, the web server (logs in {home})", flush=True)
-    with LocalStack(env, start_redis=True, log_dir=Path(home)) as stack:
+    with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
         db = Database(env["DATABASE_URL"])
         headers = {}
         for tenant in ("tenant-a", "tenant-b"):
@@ -160,7 +170,8 @@ def main() -> None:
             time.sleep(args.ramp)
             tokens0, _ = engine_totals(client)
             started = time.monotonic()
-            under = b_requests(stack.base_url, b, model, args.b_requests, args.b_max_tokens)
+            timelines = []
+            under = b_requests(stack.base_url, b, model, args.b_requests, args.b_max_tokens, timelines)
             elapsed = time.monotonic() - started
             time.sleep(1.5)
             tokens1, _ = engine_totals(client)
@@ -170,6 +181,10 @@ def main() -> None:
             flood.stop()
             errors = flood.errors
     ratio = percentile(under, 0.99) / percentile(alone, 0.99)
+    slowest = sorted(range(len(under)), key=lambda i: -under[i])[:5]
+    print("B's slowest under the flood (ms after sending: stored by the web, started by a worker, first token):")
+    for i in slowest:
+        print(f"  request {i}: {timelines[i]}")
     rows = [
         ("B alone: TTFT p50 / p99", f"{statistics.median(alone):.0f} / {percentile(alone, 0.99):.0f} ms"),
         ("B under A's flood: TTFT p50 / p99", f"{statistics.median(under):.0f} / {percentile(under, 0.99):.0f} ms"),
@@ -195,13 +210,15 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=STORIES_MODEL)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--b-requests", type=int, default=50)
+    parser.add_argument("--b-requests", type=int, default=100)
     parser.add_argument("--b-max-tokens", type=int, default=8)
     parser.add_argument("--batch-lines", type=int, default=1500)
     parser.add_argument("--many-choice", type=int, default=8, help="A's API requests, sent at once")
     parser.add_argument("--n", type=int, default=32, help="their samples each")
     parser.add_argument("--a-max-tokens", type=int, default=128)
     parser.add_argument("--window", type=float, default=15.0, help="seconds over which A alone is measured")
+    parser.add_argument("--env", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
+                        help="NAME=VALUE for the stack's processes (repeatable), e.g. LLMQ_TENANT_WEIGHTS=tenant-a=2")
     parser.add_argument("--ramp", type=float, default=4.0, help="seconds the flood runs before measuring")
     return parser.parse_args()
 

@@ -75,6 +75,11 @@ def parked_key(model: str, tenant: str) -> str:
     return f"llmq:parked:{model}:{tenant}"
 
 
+def parked_count_key(model: str, tenant: str) -> str:
+    """How many works the tenant has ever parked for the model: numbers them, for their order."""
+    return f"llmq:parked-count:{model}:{tenant}"
+
+
 # ---- the events ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from llmq.settings import Settings, queue_name
 from llmq.store import batch_lifecycle
 from llmq.store.models import Batch, File, Request
 from workers.sweeper import Sweeper
+from workers.tenant_intake import ParkedWork, TenantIntake
 
 MODEL = "m"
 VISIBILITY = 100.0
@@ -93,6 +94,16 @@ def test_a_lost_api_request_is_sent_again_and_a_finished_one_is_not(app, sweeper
     sweeper.sweep(now=0.0)
     assert sweeper.sweep(now=VISIBILITY + 1).resent == ["llmq.complete:cmpl-lost"]
     assert queued_messages(app) == [("llmq.complete", ["cmpl-lost"])]
+
+
+def test_parked_work_is_waiting_for_its_turn_not_lost(app, sweeper):
+    _, (parked, lost) = make_batch(app, 2)
+    with app.extensions["llmq"].db.session() as session:
+        session.add(Request(id="cmpl-parked", model=MODEL, body={"prompt": "p"}, status="queued"))
+    intake = TenantIntake(app.extensions["llmq"].redis, MODEL, 4, 2, lambda t: 1.0, lambda work: None)
+    intake.park("acme", ParkedWork("llmq.run_batch_item", parked, 6), ParkedWork("llmq.complete", "cmpl-parked"))
+    sweeper.sweep(now=0.0)
+    assert sweeper.sweep(now=VISIBILITY + 1).resent == [f"llmq.run_batch_item:{lost}"]
 
 
 def test_the_sweep_expires_batches_past_their_window(app, sweeper):

@@ -7,7 +7,7 @@ Every LLMQ_SWEEP_SECONDS one worker (whoever takes the `llmq:sweep` lock) runs `
   delivered message only once it has it. The database still says the work is unfinished. A batch line
   or an API request that is unfinished, held by no lease, while its model's queue is empty, for
   longer than the visibility timeout (the time the broker takes to redeliver a dead worker's tasks
-  itself), gets its task sent again. A duplicate is harmless: tasks skip finished work, and a lease
+  itself), and not parked for its tenant's turn (workers/tenant_intake.py), gets its task sent again. A duplicate is harmless: tasks skip finished work, and a lease
   keeps two runs of one request apart.
 
 Torch-free and Flask-free: it takes a database, a Redis client and the Celery app.
@@ -27,6 +27,7 @@ from llmq.store import batch_lifecycle
 from llmq.store.database import Database
 from llmq.store.models import UNFINISHED_ITEM_STATES, Batch, BatchItem, BatchStatus, Request, RequestStatus
 from llmq.streams import request_cancel
+from workers.tenant_intake import parked_works
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ class Sweeper:
                 for item_id, request_id, model in items]
         work += [(("llmq.complete", request_id), request_id, model, 0) for request_id, model in requests]
         leased = self._leased([request_id for _, request_id, _, _ in work if request_id])
+        parked = set().union(*(parked_works(self.client, model) for model in idle_models))
         for key, request_id, model, priority in work:
-            if request_id not in leased:
+            if request_id not in leased and key not in parked:
                 candidates[key] = (model, priority)
         return candidates
 

@@ -157,13 +157,28 @@ def expand_batch(runtime: WorkerRuntime, batch_id: str) -> int:
                                                     settings.max_batch_lines)
         else:  # a redelivery: send again what has not run (items run at most once, see run_item)
             item_ids = [i.id for i in batch_lifecycle.pending_items(session, batch_id)]
-        queue = queue_name(batch.model)
-    for item_id in item_ids:
-        run_batch_item.apply_async(args=[item_id], queue=queue, priority=batch_lifecycle.BATCH_BROKER_PRIORITY)
+        queue, tenant = queue_name(batch.model), batch.tenant
+    _queue_lines(runtime, tenant, queue, item_ids)
     with runtime.db.session() as session:
         batch_lifecycle.finalize_if_done(session, batch_id)
     log.info("batch %s: %d lines queued", batch_id, len(item_ids))
     return len(item_ids)
+
+
+def _queue_lines(runtime: WorkerRuntime, tenant: str, queue: str, item_ids: list[int]) -> None:
+    """A batch's lines wait for their tenant's turn parked, in order, and go to the broker as the
+    workers have threads for them (workers/tenant_intake.py): sent all at once, a large batch's lines
+    would each take a thread only to be parked, in front of every other tenant's work."""
+    works = [ParkedWork("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY) for item_id in item_ids]
+    try:
+        for start in range(0, len(works), 1000):
+            runtime.intake.park(tenant, *works[start:start + 1000])
+    except redis.RedisError as err:
+        log.warning("could not park the lines of tenant %s (%s); sending them to the broker", tenant, err)
+        for work in works:
+            run_batch_item.apply_async(args=[work.arg], queue=queue, priority=work.priority)
+        return
+    runtime.intake.resume_idle()
 
 
 def run_item(runtime: WorkerRuntime, item_id: int) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,18 +27,30 @@ from dataclasses import dataclass
 import orjson
 import redis
 
-from llmq.events import parked_key, parked_tenants_key
+from llmq.events import parked_count_key, parked_key, parked_tenants_key
 
 log = logging.getLogger(__name__)
 
-# Pop the oldest of the highest priority; forget the tenant once it has nothing parked.
+# Park works in the order given, after everything the tenant parked before: a work's score is its
+# priority * 10^15 plus its number in the tenant's count. KEYS: the tenants set, the tenant's sorted
+# set, its count. ARGV: the tenant, then the priority and the work of each.
+_PARK = """
+local last = redis.call('incrby', KEYS[3], (#ARGV - 1) / 2)
+local first = last - (#ARGV - 1) / 2
+for i = 2, #ARGV, 2 do
+  redis.call('zadd', KEYS[2], tonumber(ARGV[i]) * """ + repr(int(1e15)) + """ + first + i / 2, ARGV[i + 1])
+end
+redis.call('sadd', KEYS[1], ARGV[1])
+return last
+"""
+
+# Pop the first of the highest priority; forget the tenant once it has nothing parked.
 _POP = """
 local work = redis.call('zpopmin', KEYS[2])
 if redis.call('zcard', KEYS[2]) == 0 then redis.call('srem', KEYS[1], ARGV[1]) end
 return work[1]
 """
 
-_PRIORITY_SCALE = 1e13  # a score is priority * this + the time parked in ms, which stays below it
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,16 @@ class ParkedWork:
         return cls(task, arg, priority)
 
 
+def parked_works(client: redis.Redis, model: str) -> set[tuple[str, str]]:
+    """(task name, argument as text) of every work parked for the model, whoever's."""
+    tenants = [t.decode() for t in client.smembers(parked_tenants_key(model))]
+    pipe = client.pipeline(transaction=False)
+    for tenant in tenants:
+        pipe.zrange(parked_key(model, tenant), 0, -1)
+    works = (ParkedWork.decode(raw) for members in pipe.execute() for raw in members)
+    return {(work.task, str(work.arg)) for work in works}
+
+
 class TenantIntake:
     def __init__(self, client: redis.Redis, model: str, threads: int, tenant_threads: int,
                  weight: Callable[[str], float], send: Callable[[ParkedWork], None]):
@@ -68,6 +89,7 @@ class TenantIntake:
         self._in_flight: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._pop = client.register_script(_POP)
+        self._park = client.register_script(_PARK)
 
     @contextmanager
     def turn(self, tenant: str, work: ParkedWork) -> Iterator[bool]:
@@ -96,12 +118,13 @@ class TenantIntake:
         with self._lock:
             return dict(self._in_flight)
 
-    def park(self, tenant: str, work: ParkedWork) -> None:
-        score = work.priority * _PRIORITY_SCALE + int(time.time() * 1000)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zadd(parked_key(self.model, tenant), {work.encode(): score})
-        pipe.sadd(parked_tenants_key(self.model), tenant)
-        pipe.execute()
+    def park(self, tenant: str, *works: ParkedWork) -> None:
+        """Park works of the tenant's, after all it has parked (a batch's lines in one round trip)."""
+        args = [tenant]
+        for work in works:
+            args += [work.priority, work.encode()]
+        self._park(keys=[parked_tenants_key(self.model), parked_key(self.model, tenant),
+                         parked_count_key(self.model, tenant)], args=args)
 
     def parked(self) -> dict[str, int]:
         """How much work each tenant has parked for this model."""

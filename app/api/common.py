@@ -13,6 +13,7 @@ from app.errors import APIError, excerpt, not_found
 from app.services import services
 from app.stream_hub import StreamHub
 from llmq.model.tokenizer import Tokenizer
+from llmq.protocol.openai import check_text
 from llmq.settings import Settings, queue_name
 from llmq.store.database import Database
 
@@ -52,6 +53,7 @@ def check_model(model: Any, required: bool = True) -> str:
     if not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {type(model).__name__}", param="model",
                        code="invalid_request")
+    check_text(model, "model")  # a lone surrogate: 400, not an echo of it in a 404
     if model != served:
         raise APIError(404, f"The model '{excerpt(model)}' does not exist; this server serves '{served}'",
                        param="model", code="model_not_found")

@@ -45,6 +45,8 @@ CASES = {
                          + b"\r\n", 431),
     "oversized URL": (b"GET /v1/models?q=" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
     "NUL in a header": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Nul: a\x00b\r\n\r\n", 400),
+    "a Content-Length that is not a number": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"
+                                              + BODY, 400),
     "Content-Length with chunked": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n"
                                     b"Transfer-Encoding: chunked\r\n\r\n1e\r\n" + BODY + b"\r\n0\r\n\r\n", 400),
 }
