@@ -3,7 +3,7 @@ A floods the same worker (a large batch plus many-choice API requests), and A's 
 idle and with B at work.
 
     python benchmarks/fairness.py                  # about 3 minutes on a 2-core machine
-    python benchmarks/fairness.py --b-requests 100 --batch-lines 2000
+    python benchmarks/fairness.py --b-requests 200 --batch-lines 2000 --env LLMQ_TENANT_WEIGHTS=tenant-a=3
 
 It starts its own stack (a private Redis, SQLite, one Celery worker, gunicorn as the Procfile runs it) serving the
 stories260k model the tests ship, and two API keys, tenants A and B, of equal weight. Three phases:
@@ -212,11 +212,11 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--b-requests", type=int, default=100)
     parser.add_argument("--b-max-tokens", type=int, default=8)
-    parser.add_argument("--batch-lines", type=int, default=1500)
+    parser.add_argument("--batch-lines", type=int, default=600)
     parser.add_argument("--many-choice", type=int, default=8, help="A's API requests, sent at once")
     parser.add_argument("--n", type=int, default=32, help="their samples each")
     parser.add_argument("--a-max-tokens", type=int, default=128)
-    parser.add_argument("--window", type=float, default=15.0, help="seconds over which A alone is measured")
+    parser.add_argument("--window", type=float, default=8.0, help="seconds over which A alone is measured")
     parser.add_argument("--env", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
                         help="NAME=VALUE for the stack's processes (repeatable), e.g. LLMQ_TENANT_WEIGHTS=tenant-a=2")
     parser.add_argument("--ramp", type=float, default=4.0, help="seconds the flood runs before measuring")

@@ -1,6 +1,9 @@
-"""Load and faults together: streaming clients and a batch job, a worker killed and Redis restarted
-along the way. Counts what a user would: requests served, errors, time to first token, and the
-batch's lost and duplicated lines (both must be 0; the script exits 1 otherwise).
+"""Load and faults together, from two tenants: tenant "flood" runs a batch job and many-choice
+completions, tenant "apps" streams small completions, and a worker is killed and Redis restarted
+along the way. Counts what a user would: requests served, errors, time to first token, answers
+that were a server error, and the batch's lost and duplicated lines (lost, duplicated and server
+errors must all be 0; the script exits 1 otherwise). A 503 with Retry-After while Redis is down is
+the documented answer, counted apart, and the client tries again.
 
     python benchmarks/soak.py                       # about 2 minutes on a 2-core machine
     python benchmarks/soak.py --clients 16 --batch-lines 1000 --kill-at 20 --restart-redis-at 50
@@ -31,6 +34,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmq.store.api_keys import create_key  # noqa: E402
+from llmq.store.database import Database  # noqa: E402
 from stack.local import LocalStack  # noqa: E402
 
 STORIES_MODEL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"  # the tests ship it
@@ -46,6 +51,19 @@ class Tally:
         self.served = 0
         self.errors: list[str] = []
         self.ttft: list[float] = []
+        self.server_errors: list[str] = []  # 5xx answers, but a 503 that says when to try again
+        self.unavailable = 0  # 503 + Retry-After: Redis was away
+        self.flood_served = 0
+
+    def status(self, response: httpx.Response) -> bool:
+        """Counts a non-200 answer; True when the request should simply be sent again (a 503 with Retry-After)."""
+        with self.lock:
+            if response.status_code == 503 and "retry-after" in response.headers:
+                self.unavailable += 1
+                return True
+            if response.status_code >= 500:
+                self.server_errors.append(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+        return False
 
     def ok(self, ttft: float) -> None:
         with self.lock:
@@ -57,8 +75,9 @@ class Tally:
             self.errors.append(what)
 
 
-def stream_client(base_url: str, model: str, max_tokens: int, stop: threading.Event, tally: Tally, n: int) -> None:
-    with httpx.Client(base_url=base_url, timeout=120) as client:
+def stream_client(base_url: str, headers: dict, model: str, max_tokens: int, stop: threading.Event, tally: Tally,
+                  n: int) -> None:
+    with httpx.Client(base_url=base_url, timeout=120, headers=headers) as client:
         while not stop.is_set():
             body = {"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}
@@ -67,7 +86,10 @@ def stream_client(base_url: str, model: str, max_tokens: int, stop: threading.Ev
             try:
                 with client.stream("POST", "/v1/completions", json=body) as response:
                     if response.status_code != 200:
-                        tally.error(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+                        if tally.status(response):
+                            time.sleep(1)
+                        else:
+                            tally.error(f"HTTP {response.status_code}: {response.read()[:200]!r}")
                         continue
                     for line in response.iter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -85,6 +107,37 @@ def stream_client(base_url: str, model: str, max_tokens: int, stop: threading.Ev
                 tally.error(repr(err)[:200])
 
 
+def flood_client(base_url: str, headers: dict, model: str, max_tokens: int, n: int, stop: threading.Event,
+                 tally: Tally) -> None:
+    """The flooding tenant's many-choice completions, one after another until `stop`."""
+    with httpx.Client(base_url=base_url, timeout=600, headers=headers) as client:
+        while not stop.is_set():
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": max_tokens, "n": n, "temperature": 1.0,
+                    "ignore_eos": True}
+            try:
+                response = client.post("/v1/completions", json=body)
+            except httpx.HTTPError as err:
+                tally.error(f"flood request: {err!r}"[:200])
+                continue
+            if response.status_code == 200:
+                with tally.lock:
+                    tally.flood_served += 1
+            elif tally.status(response):
+                time.sleep(1)
+            else:
+                tally.error(f"flood request: HTTP {response.status_code}: {response.text[:200]}")
+
+
+def tenant_headers(database_url: str) -> dict[str, dict]:
+    """A key for each of the two tenants, made straight in the database (as `llmq keys create` does)."""
+    db = Database(database_url)
+    headers = {}
+    for tenant in ("flood", "apps"):
+        with db.session() as session:
+            headers[tenant] = {"Authorization": f"Bearer {create_key(session, tenant)[1]}"}
+    return headers
+
+
 def submit_batch(client: httpx.Client, model: str, lines: int, max_tokens: int) -> str:
     rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
                         "body": {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
@@ -95,14 +148,15 @@ def submit_batch(client: httpx.Client, model: str, lines: int, max_tokens: int) 
                                             "completion_window": "24h"}).json()["id"]
 
 
-def get_json(client: httpx.Client, path: str, attempts: int = 30):
-    """GET with retries: the web server keeps serving through the faults, but a poll may land on the
-    moment Redis is down; the soak measures the service, not one unlucky poll."""
+def get_json(client: httpx.Client, path: str, tally: Tally | None = None, attempts: int = 30):
+    """GET with retries: a poll may land on the moment Redis is down (503, counted in `tally`)."""
     for attempt in range(attempts):
         try:
             response = client.get(path)
             if response.status_code == 200:
                 return response
+            if tally is not None:
+                tally.status(response)
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -117,9 +171,10 @@ def main() -> None:
     if model_dir is not None:
         env["MODEL_PATH"] = str(model_dir)
     print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
-    with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack, \
-            httpx.Client(base_url=stack.base_url, timeout=120) as client:
-        batch, lines, tally, seconds = _run_with_faults(stack, client, args)
+    with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack:
+        headers = tenant_headers(env["DATABASE_URL"])
+        with httpx.Client(base_url=stack.base_url, timeout=120, headers=headers["flood"]) as client:
+            batch, lines, tally, seconds = _run_with_faults(stack, client, headers, args)
     if not _report(args, Path(home), batch, lines, tally, seconds):
         print(f"FAILED: logs and database kept in {home}")
         sys.exit(1)
@@ -132,6 +187,9 @@ def _arguments() -> argparse.Namespace:
                         help="model folder (default: the stories260k the tests ship, else llmq's own)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     parser.add_argument("--batch-lines", type=int, default=300)
+    parser.add_argument("--flood-clients", type=int, default=2,
+                        help="the flooding tenant's clients sending many-choice completions")
+    parser.add_argument("--flood-n", type=int, default=16, help="their samples per request")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kill-at", type=float, default=15.0, help="seconds in: SIGKILL a worker")
     parser.add_argument("--restart-redis-at", type=float, default=35.0, help="seconds in: restart Redis")
@@ -139,7 +197,8 @@ def _arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _run_with_faults(stack: LocalStack, client: httpx.Client, args) -> tuple[dict, list[dict], Tally, float]:
+def _run_with_faults(stack: LocalStack, client: httpx.Client, headers: dict,
+                     args) -> tuple[dict, list[dict], Tally, float]:
     """The batch and the streaming clients, a worker killed and Redis restarted on the way; returns
     the batch as last polled, its output and error lines, the clients' tally and the seconds taken."""
     model = client.get("/v1/models").json()["data"][0]["id"]
@@ -147,8 +206,12 @@ def _run_with_faults(stack: LocalStack, client: httpx.Client, args) -> tuple[dic
     started = time.monotonic()
     batch_id = submit_batch(client, model, args.batch_lines, args.max_tokens)
     clients = [threading.Thread(target=stream_client, daemon=True,
-                                args=(stack.base_url, model, args.max_tokens, stop, tally, n))
+                                args=(stack.base_url, headers["apps"], model, args.max_tokens, stop, tally, n))
                for n in range(args.clients)]
+    clients += [threading.Thread(target=flood_client, daemon=True,
+                                 args=(stack.base_url, headers["flood"], model, args.max_tokens, args.flood_n, stop,
+                                       tally))
+                for _ in range(args.flood_clients)]
     for thread in clients:
         thread.start()
     faults = sorted([(args.kill_at, "kill"), (args.restart_redis_at, "redis")])
@@ -164,11 +227,11 @@ def _run_with_faults(stack: LocalStack, client: httpx.Client, args) -> tuple[dic
             else:
                 print(f"{elapsed:5.1f}s  restarting Redis", flush=True)
                 stack.restart_redis(down_s=2.0)
-        batch = get_json(client, f"/v1/batches/{batch_id}").json()
+        batch = get_json(client, f"/v1/batches/{batch_id}", tally).json()
         counts = batch["request_counts"]
         print(f"{elapsed:5.1f}s  batch {batch['status']}: {counts['completed']}/{counts['total']} done, "
-              f"{counts['failed']} failed; streams served {tally.served}, errors {len(tally.errors)}",
-              flush=True)
+              f"{counts['failed']} failed; streams served {tally.served}, flood requests {tally.flood_served}, "
+              f"errors {len(tally.errors)}, server errors {len(tally.server_errors)}", flush=True)
         if batch["status"] in ("completed", "failed", "cancelled", "expired") and not faults:
             break
         time.sleep(2)
@@ -196,20 +259,25 @@ def _report(args, home: Path, batch: dict, lines: list[dict], tally: Tally, seco
     ttft_ms = sorted(1000 * t for t in tally.ttft)
     p50 = statistics.median(ttft_ms) if ttft_ms else float("nan")
     p99 = ttft_ms[min(len(ttft_ms) - 1, int(0.99 * len(ttft_ms)))] if ttft_ms else float("nan")
-    print(f"\n| soak ({seconds:.0f} s, {args.clients} streaming clients, {args.batch_lines}-line batch, "
-          "1 worker SIGKILLed, Redis restarted) | |\n|---|---|")
+    print(f"\n| soak ({seconds:.0f} s; tenant apps: {args.clients} streaming clients; tenant flood: a "
+          f"{args.batch_lines}-line batch and {args.flood_clients} clients of n={args.flood_n}; 1 worker SIGKILLed, "
+          "Redis restarted) | |\n|---|---|")
     for name, value in (("batch status", batch.get("status")), ("streams served", tally.served),
+                        ("flood requests served", tally.flood_served),
+                        ("server errors (5xx but 503 + Retry-After)", len(tally.server_errors)),
+                        ("503 + Retry-After while Redis was away (tried again)", tally.unavailable),
                         ("stream errors", len(tally.errors)), ("time to first token p50", f"{p50:.0f} ms"),
                         ("time to first token p99", f"{p99:.0f} ms"), ("batch lines lost", lost),
                         ("batch lines duplicated", duplicated), ("requests resumed from a checkpoint", resumed),
                         ("redeliveries that waited on a live lease", handed_over)):
         print(f"| {name} | {value} |")
-    for error in tally.errors[:5]:
+    for error in (tally.errors + tally.server_errors)[:5]:
         print("  error:", error)
     print(json.dumps({"seconds": seconds, "served": tally.served, "errors": len(tally.errors), "ttft_ms_p50": p50,
                       "ttft_ms_p99": p99, "lost": lost, "duplicated": duplicated, "resumed": resumed,
-                      "status": batch.get("status")}))
-    return not lost and not duplicated and batch.get("status") == "completed"
+                      "status": batch.get("status"), "server_errors": len(tally.server_errors),
+                      "unavailable": tally.unavailable, "flood_served": tally.flood_served}))
+    return not lost and not duplicated and not tally.server_errors and batch.get("status") == "completed"
 
 
 if __name__ == "__main__":

@@ -86,6 +86,15 @@ def test_parked_work_goes_back_api_requests_first_then_oldest_first(client, sent
     assert sent[2] == ParkedWork("llmq.run_batch_item", 1, 6)
 
 
+def test_a_batchs_lines_go_back_in_the_order_parked(client, sent):
+    intake = make_intake(client, sent, threads=100, tenant_threads=100)
+    order = [10, 9, 100, 1, 55, 54, 1000, 2]  # not the order of their encodings
+    intake.park("a", *(ParkedWork("llmq.run_batch_item", i, 6) for i in order[:4]))
+    intake.park("a", *(ParkedWork("llmq.run_batch_item", i, 6) for i in order[4:]))
+    assert intake.resume(limit=100) == len(order)
+    assert [w.arg for w in sent] == order
+
+
 def test_the_tenant_with_fewest_threads_for_its_weight_goes_first(client, sent):
     intake = make_intake(client, sent, threads=10, tenant_threads=3, weights={"heavy": 4.0})
     for tenant in ("heavy", "light"):

@@ -32,13 +32,15 @@ from llmq.events import parked_count_key, parked_key, parked_tenants_key
 log = logging.getLogger(__name__)
 
 # Park works in the order given, after everything the tenant parked before: a work's score is its
-# priority * 10^15 plus its number in the tenant's count. KEYS: the tenants set, the tenant's sorted
-# set, its count. ARGV: the tenant, then the priority and the work of each.
+# priority * 10^15 plus its number in the tenant's count (an integer a double holds exactly for
+# priorities up to 8).
+# KEYS: the tenants set, the tenant's sorted set, its count. ARGV: the tenant, then the priority and
+# the work of each.
 _PARK = """
 local last = redis.call('incrby', KEYS[3], (#ARGV - 1) / 2)
 local first = last - (#ARGV - 1) / 2
 for i = 2, #ARGV, 2 do
-  redis.call('zadd', KEYS[2], tonumber(ARGV[i]) * """ + repr(int(1e15)) + """ + first + i / 2, ARGV[i + 1])
+  redis.call('zadd', KEYS[2], string.format('%d', tonumber(ARGV[i]) * 1e15 + first + i / 2), ARGV[i + 1])
 end
 redis.call('sadd', KEYS[1], ARGV[1])
 return last
@@ -50,7 +52,6 @@ local work = redis.call('zpopmin', KEYS[2])
 if redis.call('zcard', KEYS[2]) == 0 then redis.call('srem', KEYS[1], ARGV[1]) end
 return work[1]
 """
-
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class TenantIntake:
 
     def park(self, tenant: str, *works: ParkedWork) -> None:
         """Park works of the tenant's, after all it has parked (a batch's lines in one round trip)."""
+        if not works:
+            return
         args = [tenant]
         for work in works:
             args += [work.priority, work.encode()]

@@ -6,8 +6,9 @@ import time
 
 from tests.service.conftest import MODEL_NAME, wait_until
 
-# The session stack's worker runs LLMQ_MAX_NUM_SEQS=16 sequences (and threads) at once. LINES leaves a wide
-# margin: a fast CI machine finished 29 lines of 64 before the test could send its completion.
+# The session stack's worker runs LLMQ_MAX_NUM_SEQS=16 sequences at once, and a tenant holds 16 of its 32
+# threads. LINES leaves a wide margin: a fast CI machine finished 29 lines of 64 before the test could send
+# its completion.
 LINES, SLOTS = 160, 16
 
 
