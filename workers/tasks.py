@@ -31,6 +31,7 @@ from llmq.store.models import (
     Batch,
     BatchItem,
     BatchStatus,
+    File,
     ItemStatus,
     Request,
     RequestStatus,
@@ -80,17 +81,14 @@ def run_batch_item(self: RuntimeTask, item_id: int) -> str:
 # ---- API requests ------------------------------------------------------------------------------
 
 def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
-    with runtime.db.session() as session:
+    with runtime.db.read() as session:  # a write transaction would wait for every other writer first
         request = session.get(Request, request_id)
         if request is None or request.status in TERMINAL_REQUEST_STATES:
             return "skipped"
-        if is_cancelled(runtime.redis, request_id):
-            request.status, request.finished_at = RequestStatus.CANCELLED, time.time()
-            runtime.publisher.publish_one(request_id, ErrorEvent(
-                "cancelled", "the request was cancelled before it started", t=time.time()), finished=True)
-            return RequestStatus.CANCELLED
         kind, body, prepared, model = request.kind, request.body, request.prepared, request.model
         created, tenant = int(request.created_at), request.tenant
+    if is_cancelled(runtime.redis, request_id):
+        return _cancel_before_start(runtime, request_id)
     with runtime.intake.turn(tenant, ParkedWork("llmq.complete", request_id)) as now:
         if not now:
             return "parked"
@@ -103,6 +101,17 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
             return _fail_request(runtime, request_id, err)
         finally:
             runtime.leases.release(request_id)
+
+
+def _cancel_before_start(runtime: WorkerRuntime, request_id: str) -> str:
+    with runtime.db.session() as session:
+        request = session.get(Request, request_id)
+        if request.status in TERMINAL_REQUEST_STATES:
+            return "skipped"
+        request.status, request.finished_at = RequestStatus.CANCELLED, time.time()
+    runtime.publisher.publish_one(request_id, ErrorEvent(
+        "cancelled", "the request was cancelled before it started", t=time.time()), finished=True)
+    return RequestStatus.CANCELLED
 
 
 def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str,
@@ -147,17 +156,19 @@ def _fail_request(runtime: WorkerRuntime, request_id: str, err: Exception) -> st
 # ---- batches -----------------------------------------------------------------------------------
 
 def expand_batch(runtime: WorkerRuntime, batch_id: str) -> int:
-    settings = runtime.settings
-    with runtime.db.session() as session:
+    with runtime.db.read() as session:
         batch = session.get(Batch, batch_id)
         if batch is None:
             return 0
-        if batch.status == BatchStatus.VALIDATING:
-            item_ids = batch_lifecycle.expand_input(session, batch, runtime.model, runtime.engine.tokenizer,
-                                                    settings.max_batch_lines)
-        else:  # a redelivery: send again what has not run (items run at most once, see run_item)
+        content = session.get(File, batch.input_file_id).content if batch.status == BatchStatus.VALIDATING else None
+        if content is None:  # a redelivery: send again what has not run (items run at most once, see run_item)
             item_ids = [i.id for i in batch_lifecycle.pending_items(session, batch_id)]
         queue, tenant = queue_name(batch.model), batch.tenant
+    if content is not None:  # parsed and tokenized before the transaction that stores it
+        items = batch_lifecycle.read_input(batch, content, runtime.model, runtime.engine.tokenizer,
+                                           runtime.settings.max_batch_lines)
+        with runtime.db.session() as session:
+            item_ids = batch_lifecycle.store_input(session, batch_id, items)
     _queue_lines(runtime, tenant, queue, item_ids)
     with runtime.db.session() as session:
         batch_lifecycle.finalize_if_done(session, batch_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
@@ -46,27 +47,48 @@ log = logging.getLogger(__name__)
 BATCH_BROKER_PRIORITY = 6
 
 
+@dataclass(frozen=True)
+class InputRefused:
+    """Why a whole input file is refused: the batch fails with this error."""
+
+    code: str
+    message: str
+
+
 def expand_input(session: Session, batch: Batch, model: ServedModel, tokenizer: Tokenizer,
                  max_lines: int) -> list[int]:
-    """validating -> in_progress (or failed): one BatchItem per input line, its body prepared
-    (llmq/protocol/prepare.py); bad lines are failed items with their error line written. Returns the
-    ids of the items to run."""
+    """validating -> in_progress (or failed), in one session: `read_input`, then `store_input`."""
     content = session.get(File, batch.input_file_id).content
+    return store_input(session, batch.id, read_input(batch, content, model, tokenizer, max_lines))
+
+
+def read_input(batch: Batch, content: bytes, model: ServedModel, tokenizer: Tokenizer,
+               max_lines: int) -> list[BatchItem] | InputRefused:
+    """One BatchItem per input line, its body prepared (llmq/protocol/prepare.py); a bad line is a
+    failed item with its error line written. No database: a large file is parsed and tokenized
+    outside any transaction, so it holds no write lock meanwhile (on SQLite, every writer waits)."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
-        return _fail_batch(batch, "invalid_file", "the input file is not UTF-8 text")
+        return InputRefused("invalid_file", "the input file is not UTF-8 text")
     numbered = jsonl_lines(text)
     if not numbered:
-        return _fail_batch(batch, "empty_file", "the input file has no request lines")
+        return InputRefused("empty_file", "the input file has no request lines")
     if len(numbered) > max_lines:
-        return _fail_batch(batch, "too_many_lines",
-                           f"the input file has {len(numbered)} lines; this server takes at most {max_lines}")
+        return InputRefused("too_many_lines", f"the input file has {len(numbered)} lines; this server takes at "
+                                              f"most {max_lines}")
     kind = CHAT if batch.endpoint == CHAT_ENDPOINT else COMPLETION
     seen: set[str] = set()
-    items = [_item(batch, kind, line_no, line, model, tokenizer, seen) for line_no, line in numbered]
-    # Only a batch still validating moves on: a cancel that landed meanwhile wins.
-    started = session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == BatchStatus.VALIDATING).values(
+    return [_item(batch, kind, line_no, line, model, tokenizer, seen) for line_no, line in numbered]
+
+
+def store_input(session: Session, batch_id: str, items: list[BatchItem] | InputRefused) -> list[int]:
+    """What `read_input` made, stored: the batch in_progress with its items (or failed). Only a batch
+    still validating moves on: a cancel that landed meanwhile wins. Returns the ids of the items to run."""
+    batch = session.get(Batch, batch_id)
+    if isinstance(items, InputRefused):
+        return _fail_batch(batch, items.code, items.message)
+    started = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING).values(
         status=BatchStatus.IN_PROGRESS, in_progress_at=time.time(), total=len(items),
         failed=sum(item.status == ItemStatus.FAILED for item in items))).rowcount
     if not started:
