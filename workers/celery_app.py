@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from celery import Celery
@@ -71,7 +72,8 @@ def start_engine(sender=None, **_):
     runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
                             publisher=publisher, engine=engine,
                             model=ServedModel.of_settings(settings),
-                            leases=Leases(client, name, settings.lease_seconds), intake=intake, name=name)
+                            leases=Leases(client, name, settings.lease_seconds), intake=intake, name=name,
+                            background=ThreadPoolExecutor(2, thread_name_prefix="llmq-bookkeeping"))
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)
     log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), settings.model_path)

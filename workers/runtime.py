@@ -1,6 +1,7 @@
 """WorkerRuntime: what a worker's tasks use, built once when the worker starts and passed to them."""
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import redis
@@ -25,3 +26,4 @@ class WorkerRuntime:
     leases: Leases
     intake: TenantIntake  # how many task threads each tenant holds, and its work parked for later
     name: str  # the worker's Celery hostname, as its heartbeats and leases say it
+    background: Executor  # bookkeeping that need not hold up a request (its row marked running)

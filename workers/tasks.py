@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import redis
 from celery import Task, shared_task
+from sqlalchemy import func, update
 from celery.exceptions import Reject
 
 from llmq.errors import InvalidRequest
@@ -103,6 +104,16 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
             runtime.leases.release(request_id)
 
 
+def _mark_running(runtime: WorkerRuntime, request_id: str, at: float) -> None:
+    """queued -> running, unless the request has moved on meanwhile (it may even have finished)."""
+    try:
+        with runtime.db.session() as session:
+            session.execute(update(Request).where(Request.id == request_id, Request.status == RequestStatus.QUEUED)
+                            .values(status=RequestStatus.RUNNING, started_at=func.coalesce(Request.started_at, at)))
+    except Exception:
+        log.exception("could not mark request %s running", request_id)
+
+
 def _cancel_before_start(runtime: WorkerRuntime, request_id: str) -> str:
     with runtime.db.session() as session:
         request = session.get(Request, request_id)
@@ -117,14 +128,16 @@ def _cancel_before_start(runtime: WorkerRuntime, request_id: str) -> str:
 def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str,
                      created: int, tenant: str) -> str:
     checkpoint = _checkpoint(runtime, request_id)
-    with runtime.db.session() as session:
-        request = session.get(Request, request_id)
-        if checkpoint is not None and checkpoint.error is not None:
-            # It failed, and its worker died before writing that down: its readers saw the error already.
+    if checkpoint is not None and checkpoint.error is not None:
+        # It failed, and its worker died before writing that down: its readers saw the error already.
+        with runtime.db.session() as session:
+            request = session.get(Request, request_id)
             request.status, request.finished_at = RequestStatus.FAILED, time.time()
             request.error = checkpoint.error.as_dict()
-            return RequestStatus.FAILED
-        request.status, request.started_at = RequestStatus.RUNNING, request.started_at or time.time()
+        return RequestStatus.FAILED
+    # Written beside the run, not before it: a write waits its turn behind the worker's other writes
+    # (on SQLite, all of them), and the first token need not wait for the row to say "running".
+    runtime.background.submit(_mark_running, runtime, request_id, time.time())
     try:
         response, result = _execute(runtime, request_id, prepared, model, created, checkpoint, API_ENGINE_PRIORITY,
                                     tenant)

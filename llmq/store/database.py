@@ -1,7 +1,8 @@
 """The SQLAlchemy engine and sessions, bound to the Flask app (and so to the Celery workers)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, nullcontext
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
@@ -48,11 +49,16 @@ class Database:
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
+        # SQLite has one write lock for the whole file, and a writer that finds it taken sleeps in
+        # steps of up to 100 ms before it looks again. The threads of one process (a worker's task
+        # threads, the web's request threads) take their turns here instead, in order and without
+        # those sleeps, so SQLite sees at most one writer per process.
+        self._write_turn = threading.RLock() if url.startswith("sqlite") else nullcontext()
 
     @contextmanager
     def session(self) -> Session:
         """A transaction: committed on success, rolled back on error."""
-        with self._sessions() as session, session.begin():
+        with self._write_turn, self._sessions() as session, session.begin():
             yield session
 
     @contextmanager
