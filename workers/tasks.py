@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import redis
 from celery import Task, shared_task
-from sqlalchemy import func, update
 from celery.exceptions import Reject
+from sqlalchemy import func, update
 
 from llmq.errors import InvalidRequest
 from llmq.events import ErrorEvent, StreamProgress
@@ -127,7 +127,11 @@ def _cancel_before_start(runtime: WorkerRuntime, request_id: str) -> str:
 
 def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str,
                      created: int, tenant: str) -> str:
-    checkpoint = _checkpoint(runtime, request_id)
+    try:
+        checkpoint = _checkpoint(runtime, request_id)
+    except REDIS_AWAY as err:
+        _requeue_after_outage(runtime, request_id, err)
+        raise
     if checkpoint is not None and checkpoint.error is not None:
         # It failed, and its worker died before writing that down: its readers saw the error already.
         with runtime.db.session() as session:
@@ -145,6 +149,9 @@ def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: Prepared
         with runtime.db.session() as session:
             session.get(Request, request_id).status = RequestStatus.QUEUED
         raise Reject("the worker is stopping; requeued to resume elsewhere", requeue=True) from None
+    except REDIS_AWAY as err:
+        _requeue_after_outage(runtime, request_id, err)
+        return _fail_request(runtime, request_id, err)
     except Exception as err:  # every failure ends the request, so no client waits on its stream forever
         return _fail_request(runtime, request_id, err)
     with runtime.db.session() as session:
@@ -183,8 +190,7 @@ def expand_batch(runtime: WorkerRuntime, batch_id: str) -> int:
         with runtime.db.session() as session:
             item_ids = batch_lifecycle.store_input(session, batch_id, items)
     _queue_lines(runtime, tenant, queue, item_ids)
-    with runtime.db.session() as session:
-        batch_lifecycle.finalize_if_done(session, batch_id)
+    _finalize_if_done(runtime, batch_id)
     log.info("batch %s: %d lines queued", batch_id, len(item_ids))
     return len(item_ids)
 
@@ -254,19 +260,44 @@ def _run_item_leased(runtime: WorkerRuntime, line: _BatchLine) -> str:
         output = batch_lifecycle.success_line(line.custom_id, response) if status == ItemStatus.COMPLETED else None
     except HandedBack:
         raise Reject("the worker is stopping; requeued to resume elsewhere", requeue=True) from None
+    except REDIS_AWAY as err:
+        _requeue_after_outage(runtime, line.request_id, err)
+        status = ItemStatus.FAILED  # Redis did not come back within LLMQ_REDIS_OUTAGE_SECONDS
+        output = batch_error_line(line.custom_id, "server_error", f"Redis was unavailable: {err}", line.line)
     except Exception as err:  # one line's failure is one error line, never a stuck batch
         status = ItemStatus.FAILED
         output = batch_error_line(line.custom_id, _error_code(err), str(err), line.line)
     with runtime.db.session() as session:
         batch_lifecycle.record_result(session, line.item_id, status, output)
-    with runtime.db.session() as session:
-        batch_lifecycle.finalize_if_done(session, line.batch_id)
+    _finalize_if_done(runtime, line.batch_id)
     return status
+
+
+def _finalize_if_done(runtime: WorkerRuntime, batch_id: str) -> None:
+    """End the batch if no line is left to run. Asked by every line as it ends, after its own result
+    is committed (so the last line's question sees every result): a read, and a write transaction
+    (which waits for every other writer on SQLite) only for the batch that is done."""
+    with runtime.db.read() as session:
+        if batch_lifecycle.has_unfinished_items(session, batch_id):
+            return
+    with runtime.db.session() as session:
+        batch_lifecycle.finalize_if_done(session, batch_id)
 
 
 # ---- shared ------------------------------------------------------------------------------------
 
 REDIS_OUTAGE_RETRIES = 3  # runs of one request that Redis going away may cut short before it fails
+REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (still loading) among them
+
+
+def _requeue_after_outage(runtime: WorkerRuntime, request_id: str, err: Exception) -> None:
+    """A run that Redis being away stopped before it could start (its checkpoint unread) is no fault
+    of the request's: once Redis answers, the task goes back to the queue and runs from its checkpoint.
+    Returns only if Redis stays away past LLMQ_REDIS_OUTAGE_SECONDS: then the request fails."""
+    if _redis_answers(runtime, runtime.settings.redis_outage_seconds):
+        log.warning("request %s could not start: Redis was away (%s); Redis is back, so its task goes back to "
+                    "the queue", request_id, err)
+        raise Reject("Redis was away; requeued to run from its checkpoint", requeue=True) from None
 
 
 def _execute(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str, created: int | None,

@@ -171,14 +171,18 @@ def success_line(custom_id: str, response: dict) -> dict:
     return batch_output_line(custom_id, response)
 
 
+def has_unfinished_items(session: Session, batch_id: str) -> bool:
+    """Whether a line of the batch is still to run. Every line asks this when it ends: an index seek
+    on (batch_id, status) for one unfinished row, not a count of the batch's rows, which made a batch
+    of n lines cost n^2 / 2 row visits."""
+    return bool(session.scalar(select(exists().where(BatchItem.batch_id == batch_id,
+                                                     BatchItem.status.in_(UNFINISHED_ITEM_STATES)))))
+
+
 def finalize_if_done(session: Session, batch_id: str) -> str | None:
     """If no item is left to run, write the output and error files and end the batch. Returns the
     new status, or None if the batch is not done (or another process is finalizing it)."""
-    # Every line asks this when it ends: an index seek on (batch_id, status) for one unfinished row,
-    # not a count of the batch's rows, which made a batch of n lines cost n^2 / 2 row visits.
-    unfinished = session.scalar(select(exists().where(BatchItem.batch_id == batch_id,
-                                                      BatchItem.status.in_(UNFINISHED_ITEM_STATES))))
-    if unfinished:
+    if has_unfinished_items(session, batch_id):
         return None
     now = time.time()
     claimed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_((BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)))
