@@ -31,8 +31,6 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmq.store.api_keys import create_key  # noqa: E402
-from llmq.store.database import Database  # noqa: E402
 from stack.local import LocalStack  # noqa: E402
 
 STORIES_MODEL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"
@@ -144,11 +142,7 @@ def main() -> None:
            "LLMQ_MAX_NUM_SEQS": str(args.max_num_seqs), "MODEL_PATH": str(args.model), **dict(args.env)}
     print(f"starting: Redis, 1 worker, the web server (logs in {home})", flush=True)
     with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:
-        db = Database(env["DATABASE_URL"])
-        headers = {}
-        for tenant in ("tenant-a", "tenant-b"):
-            with db.session() as session:
-                headers[tenant] = {"Authorization": f"Bearer {create_key(session, tenant)[1]}"}
+        headers = stack.key_headers("tenant-a", "tenant-b")
         a, b = headers["tenant-a"], headers["tenant-b"]
         with httpx.Client(base_url=stack.base_url, timeout=60, headers=a) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]

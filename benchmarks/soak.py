@@ -34,8 +34,6 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmq.store.api_keys import create_key  # noqa: E402
-from llmq.store.database import Database  # noqa: E402
 from stack.local import LocalStack  # noqa: E402
 
 STORIES_MODEL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"  # the tests ship it
@@ -128,16 +126,6 @@ def flood_client(base_url: str, headers: dict, model: str, max_tokens: int, n: i
                 tally.error(f"flood request: HTTP {response.status_code}: {response.text[:200]}")
 
 
-def tenant_headers(database_url: str) -> dict[str, dict]:
-    """A key for each of the two tenants, made straight in the database (as `llmq keys create` does)."""
-    db = Database(database_url)
-    headers = {}
-    for tenant in ("flood", "apps"):
-        with db.session() as session:
-            headers[tenant] = {"Authorization": f"Bearer {create_key(session, tenant)[1]}"}
-    return headers
-
-
 def submit_batch(client: httpx.Client, model: str, lines: int, max_tokens: int) -> str:
     rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
                         "body": {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
@@ -172,7 +160,7 @@ def main() -> None:
         env["MODEL_PATH"] = str(model_dir)
     print(f"starting: Redis, 2 workers, gunicorn (logs in {home})", flush=True)
     with LocalStack(env, start_redis=True, workers=2, log_dir=Path(home), web="gunicorn") as stack:
-        headers = tenant_headers(env["DATABASE_URL"])
+        headers = stack.key_headers("flood", "apps")
         with httpx.Client(base_url=stack.base_url, timeout=120, headers=headers["flood"]) as client:
             batch, lines, tally, seconds = _run_with_faults(stack, client, headers, args)
     if not _report(args, Path(home), batch, lines, tally, seconds):

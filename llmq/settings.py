@@ -169,8 +169,7 @@ class Settings:
 
     def resolved_tenant_threads(self) -> int:
         """The task threads one tenant may hold on a worker (never all of them while there are two)."""
-        threads = self.resolved_worker_threads()
-        return max(1, min(self.tenant_threads or self.max_num_seqs, threads - 1 if threads > 1 else 1))
+        return max(1, min(self.tenant_threads or self.max_num_seqs, self.resolved_worker_threads() - 1))
 
     def tenant_weight(self, tenant: str) -> float:
         return dict(self.tenant_weights).get(tenant, 1.0)

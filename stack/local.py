@@ -23,6 +23,8 @@ from llmq.bootstrap import bootstrap
 from llmq.embedded_redis import start_redis_server, wait_for_redis
 from llmq.events import WORKERS_KEY
 from llmq.settings import Settings
+from llmq.store.api_keys import create_key
+from llmq.store.database import Database
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +166,16 @@ class LocalStack:
                                    + (f"; see {self.log_dir}" if self.log_dir else ""))
             time.sleep(0.2)
         raise RuntimeError(f"{count} worker(s) did not report within {timeout:.0f} s")
+
+    def key_headers(self, *tenants: str) -> dict[str, dict[str, str]]:
+        """A new API key for each tenant, made in the stack's database as `llmq keys create` makes
+        one (the first key closes an open install): the request headers that carry it, by tenant."""
+        db = Database(self.settings.database_url)
+        headers = {}
+        for tenant in tenants:
+            with db.session() as session:
+                headers[tenant] = {"Authorization": f"Bearer {create_key(session, tenant)[1]}"}
+        return headers
 
     def _settings(self) -> Settings:
         saved = dict(os.environ)

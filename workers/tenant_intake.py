@@ -172,9 +172,7 @@ class TenantIntake:
 
     def resume_idle(self) -> int:
         """What a heartbeat sends: as much parked work as this worker has idle threads for."""
-        with self._lock:
-            idle = self.threads - sum(self._in_flight.values())
-        return self.resume(limit=idle)
+        return self.resume(limit=self.threads)  # resume() sends no more than the idle threads take
 
     def _enter(self, tenant: str) -> bool:
         with self._lock:

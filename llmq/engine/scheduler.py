@@ -87,8 +87,7 @@ class Scheduler:
 
     def tenant_load(self) -> dict[str, tuple[int, int]]:
         """(running, waiting) sequences of each tenant with any."""
-        tenants = {t for t, c in self._running_count.items() if c} | {t for t, q in self._waiting.items() if q}
-        return {t: (self._running_count[t], len(self._waiting.get(t, ()))) for t in sorted(tenants)}
+        return {t: (self._running_count[t], len(self._waiting.get(t, ()))) for t in sorted(self._tenants())}
 
     def has_unfinished(self) -> bool:
         return bool(self._num_waiting or self.running)
@@ -162,7 +161,8 @@ class Scheduler:
     # ---- fair share ------------------------------------------------------------------------
 
     def _tenants(self) -> set[str]:
-        return {t for t, c in self._running_count.items() if c} | {t for t, q in self._waiting.items() if q}
+        """The tenants with work: both tables drop a tenant once it has none there."""
+        return set(self._running_count) | set(self._waiting)
 
     def _token_demands(self) -> dict[str, int]:
         """The tokens each tenant could compute this step: its running sequences' and, up to the budget,

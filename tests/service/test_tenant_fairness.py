@@ -10,8 +10,6 @@ import threading
 import httpx
 import pytest
 
-from llmq.store.api_keys import create_key
-from llmq.store.database import Database
 from stack.local import LocalStack
 from tests.service.conftest import MODEL_NAME, wait_until
 
@@ -25,12 +23,7 @@ def tenants_stack(served_model_dir, tmp_path_factory):
     env = {"LLMQ_HOME": str(home), "DATABASE_URL": f"sqlite:///{home / 'llmq.db'}", "MODEL_PATH": str(served_model_dir),
            "MODEL_NAME": MODEL_NAME, "LLMQ_MAX_NUM_SEQS": str(SLOTS), "LLMQ_HEARTBEAT_SECONDS": "1"}
     with LocalStack(env, start_redis=True, log_dir=home) as stack:
-        db = Database(env["DATABASE_URL"])
-        headers = {}
-        for tenant in ("flood", "small"):
-            with db.session() as session:
-                headers[tenant] = {"Authorization": f"Bearer {create_key(session, tenant)[1]}"}
-        yield stack, headers
+        yield stack, stack.key_headers("flood", "small")
 
 
 def test_a_small_tenant_is_served_while_another_floods_the_worker(tenants_stack):
