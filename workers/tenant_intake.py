@@ -71,9 +71,13 @@ class ParkedWork:
         return cls(task, arg, priority)
 
 
+def _parked_tenants(client: redis.Redis, model: str) -> list[str]:
+    return [t.decode() for t in client.smembers(parked_tenants_key(model))]
+
+
 def parked_works(client: redis.Redis, model: str) -> set[tuple[str, str]]:
     """(task name, argument as text) of every work parked for the model, whoever's."""
-    tenants = [t.decode() for t in client.smembers(parked_tenants_key(model))]
+    tenants = _parked_tenants(client, model)
     pipe = client.pipeline(transaction=False)
     for tenant in tenants:
         pipe.zrange(parked_key(model, tenant), 0, -1)
@@ -131,7 +135,7 @@ class TenantIntake:
 
     def parked(self) -> dict[str, int]:
         """How much work each tenant has parked for this model."""
-        tenants = sorted(t.decode() for t in self.client.smembers(parked_tenants_key(self.model)))
+        tenants = sorted(_parked_tenants(self.client, self.model))
         pipe = self.client.pipeline(transaction=False)
         for tenant in tenants:
             pipe.zcard(parked_key(self.model, tenant))
@@ -144,18 +148,19 @@ class TenantIntake:
         stays parked, and the next chance tries again."""
         sent = 0
         try:
-            parked = self.parked() if limit > 0 else {}
             with self._lock:
                 budget = min(limit, self.threads - sum(self._in_flight.values()))
-                load = Counter({t: self._in_flight[t] for t in parked})
+                load = Counter(self._in_flight)
+            # The tenants with work parked (a pop finds out when one has no more: no count is read first).
+            parked = set(_parked_tenants(self.client, self.model)) if budget > 0 else set()
             while sent < budget:
-                tenants = [t for t, count in parked.items() if count > 0 and load[t] < self.tenant_threads]
+                tenants = [t for t in parked if load[t] < self.tenant_threads]
                 if not tenants:
                     break
                 tenant = min(tenants, key=lambda t: (load[t] / self.weight(t), t))
                 raw = self._pop(keys=[parked_tenants_key(self.model), parked_key(self.model, tenant)], args=[tenant])
-                if raw is None:  # another worker took the rest
-                    parked[tenant] = 0
+                if raw is None:  # nothing left (another worker took the rest)
+                    parked.discard(tenant)
                     continue
                 work = ParkedWork.decode(raw)
                 try:
@@ -163,7 +168,6 @@ class TenantIntake:
                 except Exception:
                     self.park(tenant, work)
                     raise
-                parked[tenant] -= 1
                 load[tenant] += 1
                 sent += 1
         except Exception as err:
