@@ -192,9 +192,10 @@ class Scheduler:
                 room -= 1 + seq.forks_pending
         if not wanted:
             return
-        while self._over_share(slots) and (len(self.running) + wanted_slots > self.max_num_seqs
-                                           or self._blocks_short(wanted) > 0):
-            tenant = max(self._over_share(slots), key=lambda t: (self._running_count[t] - slots.get(t, 0), t))
+        while over := self._over_share(slots):  # checked first: with one tenant, nobody is over its share
+            if len(self.running) + wanted_slots <= self.max_num_seqs and self._blocks_short(wanted) <= 0:
+                return
+            tenant = max(over, key=lambda t: (self._running_count[t] - slots.get(t, 0), t))
             self._preempt(max((s for s in self.running if s.tenant == tenant), key=_sort_key), batch)
 
     def _over_share(self, slots: dict[str, int]) -> list[str]:
@@ -209,8 +210,12 @@ class Scheduler:
                     for s in wanted)
         return need - self.block_manager.num_free_blocks
 
+    def _usage(self, tenant: str) -> float:
+        """The slots a tenant holds, for its weight."""
+        return self._running_count[tenant] / self._weights.get(tenant, 1.0)
+
     def _victim_key(self, seq: Sequence):
-        return (self._running_count[seq.tenant] / self._weights.get(seq.tenant, 1.0), seq.sort_key)
+        return (self._usage(seq.tenant), seq.sort_key)
 
     def _admit(self, batch: ScheduledBatch, slots: dict[str, int], budget: int) -> None:
         """Admit waiting sequences while the budget lasts, tenants under their share of slots first (the
@@ -223,8 +228,7 @@ class Scheduler:
             tenants = [t for t, q in self._waiting.items() if q and t not in stuck]
             if not tenants:
                 return
-            tenant = min(tenants, key=lambda t: (self._running_count[t] >= slots.get(t, 0),
-                                                 self._running_count[t] / self._weights.get(t, 1.0),
+            tenant = min(tenants, key=lambda t: (self._running_count[t] >= slots.get(t, 0), self._usage(t),
                                                  self._waiting[t][0].sort_key))
             over_share = self._running_count[tenant] >= slots.get(tenant, 0)
             if over_share and under_share_stuck:
