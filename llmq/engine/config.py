@@ -37,16 +37,24 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    num_threads: int | None = None  # CPU intra-op threads (per rank); None: torch's default, shared among ranks
+    tensor_parallel_size: int = 1  # ranks that split every layer (llmq/model/tensor_parallel.py)
+    pipeline_parallel_size: int = 1  # ranks that each hold a run of layers (llmq/model/pipeline_parallel.py)
+    pipeline_micro_batches: int | None = None  # a pipeline step's micro-batches; None: one per stage
     seed: int = 0  # seeds the generators of requests that give no seed of their own
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.pipeline_micro_batches is not None and (not _is_int(self.pipeline_micro_batches)
+                                                        or self.pipeline_micro_batches < 1):
+            raise ValueError(f"EngineConfig.pipeline_micro_batches must be a positive integer or None, "
+                             f"got {self.pipeline_micro_batches!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):

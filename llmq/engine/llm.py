@@ -144,6 +144,10 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
                 "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks}
 
+    def close(self) -> None:
+        """Stop the other ranks of a parallel engine (nothing to do on one device)."""
+        self.model_runner.close()
+
 
 class LLM:
     """Offline batch generation: `LLM(model=folder).generate(prompts, params)`."""
@@ -155,6 +159,16 @@ class LLM:
             model = str(ensure_default_model(Settings.from_env().home / "models"))
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel engine. `with LLM(...) as llm:` does it on the way out."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: PromptInput | Iterable[PromptInput],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None,

@@ -1,17 +1,31 @@
-"""ModelRunner: owns the device. Loads the model, sizes and holds the KV cache, runs one batch."""
+"""ModelRunner: owns a device. Loads the model (or, in a parallel engine, this rank's shard), sizes and
+holds the KV cache, runs one batch.
+
+In a tensor x pipeline parallel engine every rank has a ModelRunner: rank 0's `run` turns the batch
+into StepInputs (micro-batches, for a pipeline), broadcasts them and samples; the other ranks'
+`follow` executes what arrives. `execute` is the same code on every rank: a stage takes its input from
+the previous stage (the first, the token ids), runs its layers, and hands on the hidden states, or,
+on the last stage, the logits, which go to rank 0.
+"""
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from llmq.engine.config import EngineConfig
+from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
-from llmq.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, block_rows
+from llmq.engine.step_input import StepInput, micro_batches
+from llmq.model.attention import AttentionMetadata, PrefillSpan
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
 from llmq.model.sampler import sample
+from llmq.model.shard_plan import ShardPlan
 from llmq.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -44,50 +58,68 @@ class MemoryBudget:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, group: ParallelGroup | None = None):
+        """Rank 0 passes no group: for a parallel config it starts the other ranks itself."""
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.group = group if group is not None or world == 1 else ParallelGroup.launch(config)
+        self.rank = self.group.rank if self.group else 0
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = device_of(config, self.rank)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("EngineConfig.device is cuda but torch sees no CUDA device")
+        if config.num_threads or (world > 1 and self.device.type == "cpu"):  # ranks on one host share its cores
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world))
         self.dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         self.model_config = ModelConfig.from_folder(config.model)
+        self.plan = ShardPlan.for_rank(self.model_config, self.rank, config.tensor_parallel_size,
+                                       config.pipeline_parallel_size)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:  # attention here is global: serve only what the window covers
             max_model_len = min(max_model_len, self.model_config.sliding_window)
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.device, self.dtype, max_positions=max_model_len)
+        self.model = load_model(config.model, self.device, self.dtype, max_model_len, self.plan,
+                                self.group.comm if self.group else None)
         self.budget = self._plan_memory(max_model_len)
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
-        if self.max_model_len < max_model_len:
+        if self.max_model_len < max_model_len and self.rank == 0:
             log.warning("context capped at %d tokens: the KV cache holds no more", self.max_model_len)
-        slots = self.budget.num_token_slots
-        kv_shape = (self.model_config.num_key_value_heads, slots, self.model_config.head_dim)
+        local = self.plan.local_config
+        kv_shape = (local.num_key_value_heads, self.budget.num_token_slots, local.head_dim)
         self.kv_caches = [
             (torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
              torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
-            for _ in range(self.model_config.num_hidden_layers)]
-        log.info("%s; %d CPU threads", self.budget.describe(), torch.get_num_threads())
+            for _ in range(self.plan.stage.num_layers)]
+        self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
+        self.timing = StepTiming()
+        log.info("%s%s; %d CPU threads", self.budget.describe(), self._rank_label(), torch.get_num_threads())
+
+    def _rank_label(self) -> str:
+        if not self.group:
+            return ""
+        stage = self.plan.stage
+        return (f" (rank {self.rank}: tensor shard {self.plan.tensor.rank + 1}/{self.plan.tensor.size}, "
+                f"layers {stage.first_layer}-{stage.end_layer - 1} of {self.model_config.num_hidden_layers})")
 
     # ---- memory --------------------------------------------------------------------------
 
     def _plan_memory(self, max_model_len: int) -> MemoryBudget:
-        cfg, mc = self.config, self.model_config
+        cfg, mc, local = self.config, self.model_config, self.plan.local_config
         element = torch.tensor([], dtype=self.dtype).element_size()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        block_bytes = 2 * mc.num_hidden_layers * self.block_size * mc.kv_size * element
+        block_bytes = 2 * self.plan.stage.num_layers * self.block_size * local.kv_size * element
         if self.device.type == "cuda":
             activations = self._measure_activation_peak()
             total = torch.cuda.get_device_properties(self.device).total_memory
             kv_bytes = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - activations
         else:
             # Largest live tensors of a step: the widest projections over the token budget, and logits.
-            width = max(mc.q_size + 2 * mc.kv_size, 2 * mc.intermediate_size) + 2 * mc.hidden_size
+            width = max(local.q_size + 2 * local.kv_size, 2 * local.intermediate_size) + 2 * mc.hidden_size
             activations = (cfg.max_num_batched_tokens * width + cfg.max_num_seqs * mc.vocab_size * 2) * 4
             useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) * block_bytes
             kv_bytes = min(cfg.kv_cache_bytes, useful)
-        num_blocks = kv_bytes // block_bytes
+        num_blocks = max(0, kv_bytes // block_bytes)
+        if self.group:  # every rank holds the same blocks: as many as the fullest rank has room for
+            num_blocks = self.group.agree_min(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache: weights take {weights / _MIB:.0f} MiB and "
                              f"activations {activations / _MIB:.0f} MiB; lower max_num_batched_tokens or use a smaller model")
@@ -96,23 +128,26 @@ class ModelRunner:
 
     def _measure_activation_peak(self) -> int:
         """Run the largest step the scheduler can produce once, on a scratch cache, and measure."""
-        mc, cfg = self.model_config, self.config
+        cfg, local, stage = self.config, self.plan.local_config, self.plan.stage
         num_tokens = cfg.max_num_batched_tokens
-        shape = (mc.num_key_value_heads, num_tokens, mc.head_dim)
+        shape = (local.num_key_value_heads, num_tokens, local.head_dim)
         scratch = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                    torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_hidden_layers)]
+                    torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(stage.num_layers)]
         scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
         chunk = self.model.rope_cos.shape[0]
         spans = [PrefillSpan(s, min(chunk, num_tokens - s), 0, None) for s in range(0, num_tokens, chunk)]
         positions = torch.cat([torch.arange(s.num_tokens) for s in spans]).to(self.device)
         slots = torch.arange(num_tokens, device=self.device)
         meta = AttentionMetadata(slots, self.block_size, [], spans)
+        inputs = (torch.zeros(num_tokens, dtype=torch.long, device=self.device) if stage.is_first else
+                  torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, scratch, meta)
-            self.model.compute_logits(hidden[: cfg.max_num_seqs])
+            hidden = self.model(inputs, positions, scratch, meta)
+            if stage.is_last:
+                self.model.compute_logits(hidden[: cfg.max_num_seqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden
@@ -123,71 +158,111 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One forward over the batch; returns a sampled token (and logprobs) per `batch.samplers`."""
-        if batch.block_copies:
-            self._copy_blocks(batch.block_copies)
-        input_ids, positions, meta, last_token_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        """Rank 0: one forward over the batch; returns a sampled token (and logprobs) per `batch.samplers`."""
+        if self.plan.stage.num_stages > 1:
+            steps = micro_batches(batch, self.block_size, self.num_micro_batches)
+        else:
+            steps = [StepInput.from_batch(batch, self.block_size)]
+        if self.group:
+            self.group.broadcast(steps)
+        logits = self.execute(steps)
         if not batch.samplers:
             return [], []
-        rows = torch.tensor([last_token_rows[r] for r in batch.logits_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
         return sample(logits, batch.samplers)
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Flatten the batch into token rows: single-token decodes first, longest context first, then
-        the prompt chunks."""
-        bs = self.block_size
-        decode_rows = sorted((r for r, n in enumerate(batch.num_new_tokens) if n == 1),
-                             key=lambda r: -batch.seqs[r].num_computed_tokens)
-        prefill_rows = [r for r, n in enumerate(batch.num_new_tokens) if n > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_token_rows = [0] * len(batch.seqs)
-        spans = []
-        for r in decode_rows + prefill_rows:
-            seq, n = batch.seqs[r], batch.num_new_tokens[r]
-            start, table = seq.num_computed_tokens, seq.block_table
-            if n > 1:
-                context = self._cache_rows(self._tensor(table[:-(-(start + n) // bs)])) if start else None
-                spans.append(PrefillSpan(len(input_ids), n, start, context))
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            last_token_rows[r] = len(input_ids) - 1
-        groups = [self._decode_group(batch, decode_rows, start, end) for start, end in _split(len(decode_rows))]
-        meta = AttentionMetadata(self._tensor(slots), bs, groups, spans)
-        return self._tensor(input_ids), self._tensor(positions), meta, last_token_rows
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks after 0: execute the steps rank 0 broadcasts, until it says stop."""
+        while True:
+            message = self.group.broadcast()
+            if message == STOP:
+                return
+            if message == REPORT:
+                self.group.gather_reports(self.timing.report(self.rank, self.group.comm.seconds))
+            else:
+                self.execute(message)
 
-    def _decode_group(self, batch: ScheduledBatch, decode_rows: list[int], start: int, end: int) -> DecodeGroup:
-        bs = self.block_size
-        seqs = [batch.seqs[r] for r in decode_rows[start:end]]
-        lengths = [seq.num_computed_tokens + 1 for seq in seqs]
-        num_blocks = -(-max(lengths) // bs)
-        tables = [seq.block_table[:num_blocks] for seq in seqs]
-        block_tables = self._tensor([t + [0] * (num_blocks - len(t)) for t in tables])  # [N, nb]
-        pad_mask = torch.arange(num_blocks * bs, device=self.device)[None, :] >= self._tensor(lengths)[:, None]
-        return DecodeGroup(start, end - start, self._cache_rows(block_tables), pad_mask[None, :, None, :])
+    def execute(self, steps: list[StepInput]) -> torch.Tensor | None:
+        """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the float32
+        logits of every sampler of the batch [S, vocab] in the batch's order; None elsewhere."""
+        started = time.perf_counter()
+        if steps[0].block_copies:
+            self._copy_blocks(steps[0].block_copies)
+        stage, local = self.plan.stage, self.plan.local_config
+        sends, logits = [], []
+        for step in steps:
+            input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads,
+                                                         self.budget.num_blocks, self.block_size)
+            inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
+                                                                    self.dtype, self.group.rank_of(stage.stage - 1))
+            computing = time.perf_counter()
+            hidden = self.model(inputs, positions, self.kv_caches, meta)
+            if not stage.is_last:
+                self.timing.busy_seconds += time.perf_counter() - computing
+                sends.append(dist.isend(hidden, dst=self.group.rank_of(stage.stage + 1)))
+                continue
+            step_logits = (self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+                           if step.sample_rows else None)
+            self.timing.busy_seconds += time.perf_counter() - computing
+            if step_logits is not None and self.rank == 0:
+                logits.append(step_logits)
+            elif step_logits is not None and self.plan.tensor.rank == 0:
+                sends.append(dist.isend(step_logits, dst=0))
+        for send in sends:
+            send.wait()
+        if self.rank == 0 and not stage.is_last:
+            last = self.group.rank_of(stage.num_stages - 1)
+            logits = [self._receive(len(s.sample_rows), self.model_config.vocab_size, torch.float32, last)
+                      for s in steps if s.sample_rows]
+        self.timing.steps += 1
+        self.timing.step_seconds += time.perf_counter() - started
+        if self.rank != 0 or not logits:
+            return None
+        if len(steps) == 1:
+            return logits[0]
+        ordered = torch.empty(sum(len(s.sampler_indices) for s in steps), self.model_config.vocab_size,
+                              device=self.device)
+        for step, part in zip((s for s in steps if s.sample_rows), logits):
+            ordered[torch.tensor(step.sampler_indices, device=self.device)] = part
+        return ordered
 
-    def _cache_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
-        return block_rows(block_tables, self.model_config.num_key_value_heads, self.budget.num_blocks)
+    def _receive(self, rows: int, width: int, dtype: torch.dtype, source: int) -> torch.Tensor:
+        tensor = torch.empty(rows, width, dtype=dtype, device=self.device)
+        dist.recv(tensor, src=source)
+        return tensor
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = self._tensor([s for s, _ in copies])
-        dst = self._tensor([d for _, d in copies])
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache, v_cache):
                 blocks = cache.view(cache.shape[0], -1, self.block_size, cache.shape[2])  # [KVH, nb, bs, Dh]
                 blocks[:, dst] = blocks[:, src]
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    # ---- a parallel engine's figures and end ----------------------------------------------
+
+    def parallel_report(self) -> list[dict]:
+        """Rank 0: every rank's step timing (busy, communication, waiting), for benchmarks."""
+        if not self.group:
+            return [self.timing.report(0, 0.0)]
+        self.group.broadcast(REPORT)
+        return self.group.gather_reports(self.timing.report(self.rank, self.group.comm.seconds))
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks. The runner cannot run after this."""
+        if self.group and self.rank == 0:
+            self.group.close()
+            self.group = None
 
 
-def _split(num_decodes: int, min_group: int = 16, max_groups: int = 4) -> list[tuple[int, int]]:
-    """Equal-count groups over length-sorted decodes: enough groups to cut the padding, few enough
-    that each is a worthwhile batched product."""
-    num_groups = max(1, min(max_groups, num_decodes // min_group))
-    bounds = [num_decodes * i // num_groups for i in range(num_groups + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(num_groups) if bounds[i] < bounds[i + 1]]
+@dataclass
+class StepTiming:
+    """Seconds a rank spent in steps, and of those, computing (the rest is waiting for other ranks)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    busy_seconds: float = 0.0
+
+    def report(self, rank: int, comm_seconds: float) -> dict:
+        return {"rank": rank, "steps": self.steps, "step_seconds": self.step_seconds,
+                "busy_seconds": self.busy_seconds, "comm_seconds": comm_seconds}

@@ -108,20 +108,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, device, dtype)
-        # Tied models share the embedding matrix: the loader skips lm_head.weight for them.
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, device, dtype))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, "meta" if config.tie_word_embeddings
+                              else device, dtype)
+        if config.tie_word_embeddings:  # one matrix in two roles: the loader skips lm_head.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
         cos, sin = rope_cache(config, max_positions, device, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden] (before the final norm)."""
+        """input_ids, positions [T] -> final hidden states [T, hidden] (before the final norm), through
+        the layers this model holds (one KV cache each). On a pipeline stage after the first, the
+        embedding is a pass-through and input_ids are the previous stage's hidden states [T, hidden]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, Dh]
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -130,4 +129,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the tokens that sample -> float32 logits [S, vocab]."""
-        return F.linear(self.model.norm(hidden), self.lm_head_weight).float()
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 from llmq.model.llama import LlamaForCausalLM
 from llmq.model.model_config import ModelConfig
+from llmq.model.shard_plan import ShardPlan, read_part
+from llmq.model.tensor_parallel import Communicator
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class ModelLoadError(ValueError):
@@ -54,14 +57,16 @@ def _split_sizes(config: ModelConfig, fused: str) -> list[int]:
     return [config.intermediate_size, config.intermediate_size]
 
 
-def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtype,
-               max_positions: int) -> LlamaForCausalLM:
+def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtype, max_positions: int,
+               plan: ShardPlan | None = None, comm: Communicator | None = None) -> LlamaForCausalLM:
+    """The model of `folder`, or with `plan` one rank's share of it (reading only that share)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
-    model = LlamaForCausalLM(config, max_positions, device=device, dtype=dtype)
+    plan = plan or ShardPlan.for_rank(config)
+    model = plan.build(max_positions, device, dtype, comm)
     params = dict(model.named_parameters())
-    expected = {name: params[name].numel() for name in params}
     filled = dict.fromkeys(params, 0)
+    expected_shapes = checkpoint_shapes(config)
     read_device = str(device) if str(device).startswith("cuda") else "cpu"
 
     with torch.no_grad():
@@ -72,18 +77,22 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store the shared matrix twice
-                    target, view = _target(name, params, config)
-                    if target is None:
+                    if name not in expected_shapes:
                         raise ModelLoadError(f"{path.name}: tensor '{name}' is not part of a {config.architecture}")
-                    tensor = tensors.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(view.shape):
-                        raise ModelLoadError(
-                            f"{path.name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                            f"config.json implies {tuple(view.shape)}")
-                    view.copy_(tensor)  # casts to the parameter's dtype
-                    filled[target] += tensor.numel()
+                    shape = tuple(tensors.get_slice(name).get_shape())
+                    if shape != expected_shapes[name]:
+                        raise ModelLoadError(f"{path.name}: tensor '{name}' has shape {shape}, "
+                                             f"config.json implies {expected_shapes[name]}")
+                    for local_name, part in plan.locate(name):
+                        target, view = _target(local_name, params, plan.local_config)
+                        tensor = read_part(tensors, name, part)
+                        if view.shape[0] > tensor.shape[0] and local_name in _VOCABULARY_PARALLEL:
+                            filled[target] += view[tensor.shape[0]:].zero_().numel()  # the last rank's padding
+                            view = view[: tensor.shape[0]]
+                        view.copy_(tensor)  # casts to the parameter's dtype
+                        filled[target] += tensor.numel()
 
-    missing = [name for name, count in filled.items() if count != expected[name]]
+    missing = [name for name, count in filled.items() if count != params[name].numel()]
     if missing:
         raise ModelLoadError(f"{folder}: weights missing from the safetensors files: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
@@ -91,6 +100,22 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
     if torch.device(device).type == "cpu":
         store_input_major(model)
     return model
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its shape (q/k/v and
+    gate/up as the checkpoint stores them, apart)."""
+    model = LlamaForCausalLM(config, 1, device="meta")
+    shapes = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")  # "model.layers.0.self_attn.qkv_proj", "weight"
+        owner, _, leaf = module.rpartition(".")
+        parts = [(part, index) for part, (fused, index) in _FUSED.items() if fused == leaf]
+        if not parts:
+            shapes[name] = tuple(param.shape)
+        for part, index in parts:
+            shapes[f"{owner}.{part}.{kind}"] = (_split_sizes(config, leaf)[index], *param.shape[1:])
+    return shapes
 
 
 def store_input_major(model: torch.nn.Module) -> None:
@@ -107,15 +132,15 @@ def store_input_major(model: torch.nn.Module) -> None:
 
 
 def _target(name: str, params: dict, config: ModelConfig):
-    """(parameter name, the view of it this checkpoint tensor fills), or (None, None)."""
+    """(parameter name, the view of it this checkpoint tensor fills). `config` gives this rank's
+    sizes; a row-parallel Linear (tensor parallelism) holds its weight as `inner`."""
     if name in params:
         return name, params[name].data
-    parts = name.rsplit(".", 2)  # [..., "q_proj", "weight"]
-    if len(parts) == 3 and parts[1] in _FUSED:
-        fused, part = _FUSED[parts[1]]
-        target = f"{parts[0]}.{fused}.{parts[2]}"
-        if target in params:
-            sizes = _split_sizes(config, fused)
-            start = sum(sizes[:part])
-            return target, params[target].data[start:start + sizes[part]]
-    return None, None
+    prefix, leaf, kind = name.rsplit(".", 2)  # [..., "q_proj", "weight"]
+    if f"{prefix}.{leaf}.inner.{kind}" in params:
+        return f"{prefix}.{leaf}.inner.{kind}", params[f"{prefix}.{leaf}.inner.{kind}"].data
+    fused, part = _FUSED[leaf]
+    target = f"{prefix}.{fused}.{kind}"
+    sizes = _split_sizes(config, fused)
+    start = sum(sizes[:part])
+    return target, params[target].data[start:start + sizes[part]]

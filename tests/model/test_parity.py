@@ -269,7 +269,8 @@ def test_qwen2_qkv_biases(tmp_path):
     expected = torch.cat([tensors[f"model.layers.1.self_attn.{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")])
     torch.testing.assert_close(attn.qkv_proj.bias, expected, atol=0, rtol=0)
     assert attn.o_proj.bias is None
-    assert llmq_model(llm).lm_head is None  # tied: the embedding serves as the output matrix
+    model = llmq_model(llm)  # tied: the embedding serves as the output matrix
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_untied_embeddings(tmp_path):
@@ -282,7 +283,7 @@ def test_untied_embeddings(tmp_path):
     llm, _, _ = check_parity(folder, random_prompts([9, 17], seed=3))
     model = llmq_model(llm)
     assert model.lm_head is not None
-    torch.testing.assert_close(model.lm_head_weight, tensors["lm_head.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(model.lm_head.weight, tensors["lm_head.weight"], atol=0, rtol=0)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

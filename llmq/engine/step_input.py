@@ -1,0 +1,126 @@
+"""StepInput: one forward's inputs as plain lists, the form rank 0 sends to the other ranks.
+
+Each rank turns it into tensors on its own device with its own number of KV heads (a tensor-parallel
+rank holds only some). A batch's rows can be split into micro-batches, one StepInput each, for a
+pipeline to overlap its stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmq.engine.scheduler import ScheduledBatch
+from llmq.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, block_rows
+
+
+@dataclass(frozen=True)
+class DecodeGroupInput:
+    token_start: int
+    block_tables: list[list[int]]  # [N, max_blocks], padded with block 0
+    lengths: list[int]  # context length of each decode, this token included
+
+
+@dataclass(frozen=True)
+class PrefillSpanInput:
+    token_start: int
+    num_tokens: int
+    num_cached: int
+    context_blocks: list[int] | None  # the blocks of cached + new tokens; None when nothing is cached
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Token rows: single-token decodes first (longest context first, in groups), then prompt chunks.
+    `sample_rows` are the rows whose logits are sampled, for `sampler_indices` of the batch's samplers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decodes: list[DecodeGroupInput]
+    prefills: list[PrefillSpanInput]
+    sample_rows: list[int]
+    sampler_indices: list[int]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch, block_size: int, rows: list[int] | None = None,
+                   with_block_copies: bool = True) -> "StepInput":
+        """The inputs of `rows` of the batch (all of them by default)."""
+        rows = range(len(batch.seqs)) if rows is None else rows
+        decode_rows = sorted((r for r in rows if batch.num_new_tokens[r] == 1),
+                             key=lambda r: -batch.seqs[r].num_computed_tokens)
+        prefill_rows = [r for r in rows if batch.num_new_tokens[r] > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_token_row: dict[int, int] = {}
+        prefills = []
+        for r in decode_rows + prefill_rows:
+            seq, n = batch.seqs[r], batch.num_new_tokens[r]
+            start, table = seq.num_computed_tokens, seq.block_table
+            if n > 1:
+                context = table[:-(-(start + n) // block_size)] if start else None
+                prefills.append(PrefillSpanInput(len(input_ids), n, start, context))
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            last_token_row[r] = len(input_ids) - 1
+        decodes = [_decode_group(batch, decode_rows[a:b], a, block_size) for a, b in _split(len(decode_rows))]
+        sampler_indices = [i for i, r in enumerate(batch.logits_rows) if r in last_token_row]
+        return cls(input_ids, positions, slots, decodes, prefills,
+                   [last_token_row[batch.logits_rows[i]] for i in sampler_indices], sampler_indices,
+                   list(batch.block_copies) if with_block_copies else [])
+
+    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int):
+        """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`."""
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        groups = []
+        for g in self.decodes:
+            lengths = tensor(g.lengths)
+            width = len(g.block_tables[0]) * block_size
+            pad_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # [N, width]
+            groups.append(DecodeGroup(g.token_start, len(g.lengths),
+                                      block_rows(tensor(g.block_tables), num_kv_heads, num_blocks),
+                                      pad_mask[None, :, None, :]))
+        spans = [PrefillSpan(s.token_start, s.num_tokens, s.num_cached,
+                             None if s.context_blocks is None else
+                             block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks))
+                 for s in self.prefills]
+        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans)
+        return tensor(self.input_ids), tensor(self.positions), meta
+
+
+def micro_batches(batch: ScheduledBatch, block_size: int, count: int) -> list[StepInput]:
+    """The batch in at most `count` StepInputs of about equal tokens, each sequence whole in one;
+    the first carries the block copies, which every rank makes before its first forward."""
+    loads = [0] * min(count, len(batch.seqs))
+    members: list[list[int]] = [[] for _ in loads]
+    for r in sorted(range(len(batch.seqs)), key=lambda r: -batch.num_new_tokens[r]):
+        lightest = loads.index(min(loads))
+        members[lightest].append(r)
+        loads[lightest] += batch.num_new_tokens[r]
+    return [StepInput.from_batch(batch, block_size, sorted(rows), with_block_copies=i == 0)
+            for i, rows in enumerate(members)]
+
+
+def _decode_group(batch: ScheduledBatch, rows: list[int], token_start: int, block_size: int) -> DecodeGroupInput:
+    seqs = [batch.seqs[r] for r in rows]
+    lengths = [seq.num_computed_tokens + 1 for seq in seqs]
+    num_blocks = -(-max(lengths) // block_size)
+    tables = [seq.block_table[:num_blocks] for seq in seqs]
+    return DecodeGroupInput(token_start, [t + [0] * (num_blocks - len(t)) for t in tables], lengths)
+
+
+def _split(num_decodes: int, min_group: int = 16, max_groups: int = 4) -> list[tuple[int, int]]:
+    """Equal-count groups over length-sorted decodes: enough groups to cut the padding, few enough
+    that each is a worthwhile batched product."""
+    num_groups = max(1, min(max_groups, num_decodes // min_group))
+    bounds = [num_decodes * i // num_groups for i in range(num_groups + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(num_groups) if bounds[i] < bounds[i + 1]]

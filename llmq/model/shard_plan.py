@@ -1,0 +1,75 @@
+"""ShardPlan: what one rank of a tensor x pipeline parallel group holds, and how it is built.
+
+Ranks are numbered stage-major: rank = stage * tensor_parallel_size + tensor_rank, so the ranks of one
+stage form one tensor-parallel group, and a stage passes its activations to the same tensor rank of
+the next stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmq.model.llama import LlamaForCausalLM
+from llmq.model.model_config import ModelConfig
+from llmq.model.pipeline_parallel import PipelineStage, keep_stage
+from llmq.model.rope import rope_cache
+from llmq.model.tensor_parallel import Communicator, TensorParallelShape, shard_model
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    config: ModelConfig
+    tensor: TensorParallelShape
+    stage: PipelineStage
+
+    @classmethod
+    def for_rank(cls, config: ModelConfig, rank: int = 0, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1) -> "ShardPlan":
+        stage, tensor_rank = divmod(rank, tensor_parallel_size)
+        return cls(config, TensorParallelShape(config, tensor_rank, tensor_parallel_size),
+                   PipelineStage.of(config.num_hidden_layers, pipeline_parallel_size, stage))
+
+    @property
+    def is_whole(self) -> bool:
+        return self.tensor.size == 1 and self.stage.num_stages == 1
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """This rank's heads and rows (the layers count stays the model's)."""
+        return self.tensor.local_config()
+
+    def build(self, max_positions: int, device, dtype, comm: Communicator | None) -> LlamaForCausalLM:
+        """The rank's model with uninitialised weights: built at full size on the meta device,
+        transformed, then allocated at the rank's own size."""
+        model = LlamaForCausalLM(self.config, max_positions, device="meta", dtype=dtype)
+        if self.tensor.size > 1:
+            shard_model(model, self.tensor, comm)
+        if self.stage.num_stages > 1:
+            keep_stage(model, self.stage)
+        tied = (model.lm_head is not None and model.model.embed_tokens is not None
+                and model.lm_head.weight is getattr(model.model.embed_tokens, "weight", None))
+        model.to_empty(device=device)
+        if tied:  # to_empty makes a new parameter per module
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rope_cos, model.rope_sin = rope_cache(self.config, max_positions, device, dtype)
+        return model
+
+    def locate(self, name: str) -> list[tuple[str, tuple[int, int, int] | None]]:
+        """Where checkpoint tensor `name` goes on this rank: (parameter name before fusing, the
+        (dim, start, length) part of the tensor to read, or None for all of it), for each
+        parameter it fills here (none when it belongs to other ranks)."""
+        part = self.tensor.checkpoint_slice(name) if self.tensor.size > 1 else True
+        if part is False:
+            return []
+        return [(local, None if part is True else part)
+                for local in self.stage.local_names(name, self.config.tie_word_embeddings)]
+
+
+def read_part(tensors, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Read all of a safetensors tensor, or only the rows (dim 0) or columns (dim 1) of `part`."""
+    if part is None:
+        return tensors.get_tensor(name)
+    dim, start, length = part
+    view = tensors.get_slice(name)
+    return view[start:start + length] if dim == 0 else view[:, start:start + length]
