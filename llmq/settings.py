@@ -91,6 +91,8 @@ class Settings:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     kv_cache_bytes: int | None = None
+    tensor_parallel_size: int = 1  # a worker drives this many ranks x pipeline_parallel_size (one GPU each)
+    pipeline_parallel_size: int = 1
     worker_threads: int | None = None  # Celery threads per worker; default: 2 x max_num_seqs
     # Fair share: each tenant's weight (default 1) in the engine's split of slots and tokens, and the
     # task threads one tenant may hold on a worker (default: max_num_seqs, enough to fill the engine);
@@ -134,6 +136,8 @@ class Settings:
             max_num_seqs=_int("LLMQ_MAX_NUM_SEQS", 128),
             max_num_batched_tokens=_int("LLMQ_MAX_NUM_BATCHED_TOKENS", 2048),
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
+            tensor_parallel_size=_int("LLMQ_TENSOR_PARALLEL_SIZE", 1),
+            pipeline_parallel_size=_int("LLMQ_PIPELINE_PARALLEL_SIZE", 1),
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
             tenant_weights=_weights("LLMQ_TENANT_WEIGHTS"),
             tenant_threads=_int("LLMQ_TENANT_THREADS", 0) or None,
@@ -186,6 +190,8 @@ class Settings:
         """The served model's EngineConfig, from the engine settings here."""
         return EngineConfig(model=self._require("model_path"), device=self.device, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            pipeline_parallel_size=self.pipeline_parallel_size,
                             **({"kv_cache_bytes": self.kv_cache_bytes} if self.kv_cache_bytes else {}))
 
     def _require(self, name: str) -> str:

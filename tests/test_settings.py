@@ -2,6 +2,7 @@
 bootstrap step that starts and makes what they leave to llmq."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,13 @@ def test_a_bad_tenant_weight_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("LLMQ_TENANT_WEIGHTS", value)
     with pytest.raises(ValueError, match="LLMQ_TENANT_WEIGHTS"):
         Settings.from_env()
+
+
+def test_parallel_sizes_reach_the_engine_config(monkeypatch):
+    monkeypatch.setenv("LLMQ_TENSOR_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("LLMQ_PIPELINE_PARALLEL_SIZE", "3")
+    config = replace(Settings.from_env(), model_path="/models/m").engine_config()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
+    monkeypatch.setenv("LLMQ_TENSOR_PARALLEL_SIZE", "0")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        replace(Settings.from_env(), model_path="/models/m").engine_config()

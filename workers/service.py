@@ -171,6 +171,7 @@ class EngineService:
             except Exception:  # one bad step must not take the worker down: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
                 self._end_all(EngineFailure("the engine failed while running this request; see the worker log"))
+        self.engine.close()  # a parallel engine's other ranks end with it
 
     def _admit(self) -> None:
         while True:
