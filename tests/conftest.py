@@ -64,15 +64,20 @@ def migrated_db(tmp_path_factory) -> Path:
 
 def pytest_collection_modifyitems(config, items):
     """Every test gets its tier's marker (README: `pytest -m "not service"` is the fast loop), and
-    tests marked `gpu` skip, saying so, where torch sees no CUDA device."""
+    tests marked `gpu` skip, saying so, where torch sees no CUDA device (`gpu2`: fewer than two)."""
     import torch
 
-    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(
-        reason="needs a CUDA device (marked gpu); torch sees none here")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skips = {"gpu": None if devices >= 1 else pytest.mark.skip(
+                 reason="needs a CUDA device (marked gpu); torch sees none here"),
+             "gpu2": None if devices >= 2 else pytest.mark.skip(
+                 reason=f"needs two CUDA devices for NCCL (marked gpu2); torch sees {devices}")}
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            if skip_gpu is not None:
-                item.add_marker(skip_gpu)
+        marked = [name for name in skips if item.get_closest_marker(name) is not None]
+        if marked:
+            for name in marked:
+                if skips[name] is not None:
+                    item.add_marker(skips[name])
             continue
         if not any(item.get_closest_marker(tier) for tier in TIERS):  # a test may name its own
             item.add_marker(_tier(Path(str(item.fspath)).relative_to(REPO / "tests")))
@@ -88,4 +93,4 @@ def _tier(path: Path) -> pytest.MarkDecorator:
 
 TIERS = ("unit", "parity", "service")
 # Compare llmq with Hugging Face transformers on real weights.
-PARITY_MODULES = {"test_parity.py"}
+PARITY_MODULES = {"test_parity.py", "test_parallel.py"}

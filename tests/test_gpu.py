@@ -50,3 +50,12 @@ def test_cuda_bfloat16_runs_and_frees_blocks(stories_dir):
         finished += sum(d.finished for d in engine.step())
     assert finished == 2 * len(PROMPTS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_cuda_two_gpus_over_nccl_equal_transformers(stories_dir, hf_greedy, layout):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with LLM(str(stories_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 20, **layout) as llm:
+        for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+            assert out.token_ids == hf_greedy[prompt]

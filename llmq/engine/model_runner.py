@@ -178,7 +178,7 @@ class ModelRunner:
             if message == STOP:
                 return
             if message == REPORT:
-                self.group.gather_reports(self.timing.report(self.rank, self.group.comm.seconds))
+                self.group.gather_reports(self._report())
             else:
                 self.execute(message)
 
@@ -242,11 +242,16 @@ class ModelRunner:
     # ---- a parallel engine's figures and end ----------------------------------------------
 
     def parallel_report(self) -> list[dict]:
-        """Rank 0: every rank's step timing (busy, communication, waiting), for benchmarks."""
+        """Rank 0: every rank's weights and step timing (busy, communication, waiting), for benchmarks."""
         if not self.group:
-            return [self.timing.report(0, 0.0)]
+            return [self._report()]
         self.group.broadcast(REPORT)
-        return self.group.gather_reports(self.timing.report(self.rank, self.group.comm.seconds))
+        return self.group.gather_reports(self._report())
+
+    def _report(self) -> dict:
+        return {"rank": self.rank, "weights_bytes": self.budget.weights_bytes, "steps": self.timing.steps,
+                "step_seconds": self.timing.step_seconds, "busy_seconds": self.timing.busy_seconds,
+                "comm_seconds": self.group.comm.seconds if self.group else 0.0}
 
     def close(self) -> None:
         """Rank 0: stop the other ranks. The runner cannot run after this."""
@@ -262,7 +267,3 @@ class StepTiming:
     steps: int = 0
     step_seconds: float = 0.0
     busy_seconds: float = 0.0
-
-    def report(self, rank: int, comm_seconds: float) -> dict:
-        return {"rank": rank, "steps": self.steps, "step_seconds": self.step_seconds,
-                "busy_seconds": self.busy_seconds, "comm_seconds": comm_seconds}
