@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
+QUANTIZATION_METHODS = ("int8", "int4")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -39,9 +42,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     seed: int = 0  # seeds the generators of requests that give no seed of their own
+    # Quantize the decoder projections at load: "int8" (per output channel, symmetric) or "int4"
+    # (groups of quantization_group_size input columns). Embeddings, lm_head and norms stay as they are.
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "quantization_group_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
@@ -53,3 +61,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"EngineConfig.quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")

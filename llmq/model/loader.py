@@ -2,19 +2,25 @@
 
 Each tensor is read once, straight onto the target device, and copied into its (preallocated,
 target-dtype) parameter: a name lookup plus a shape check. q/k/v and gate/up land in their slice
-of the fused parameters.
+of the fused parameters. A GPTQ / AWQ checkpoint's projections go to quantization/checkpoints.py
+instead; everything else of it (embeddings, norms, biases, lm_head) takes the float path.
 """
 from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from llmq.model.llama import LlamaForCausalLM
-from llmq.model.model_config import ModelConfig
+from llmq.model.model_config import ModelConfig, ModelLoadError
+from llmq.model.quantization.checkpoints import QuantizedCheckpoint
+from llmq.model.quantization.formats import quantization_format
+from llmq.model.quantization.transform import quantize_model
+from llmq.model.rope import rope_cache
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +30,6 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ModelLoadError(ValueError):
-    """The folder's weights do not fit the model; the message names the file and tensor."""
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -54,11 +56,23 @@ def _split_sizes(config: ModelConfig, fused: str) -> list[int]:
     return [config.intermediate_size, config.intermediate_size]
 
 
-def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtype,
-               max_positions: int) -> LlamaForCausalLM:
+def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtype, max_positions: int,
+               quantization: str | None = None, group_size: int = 128) -> LlamaForCausalLM:
+    """A float checkpoint loads as it is, or quantized after loading when `quantization` is int8 or
+    int4 (quantize_model); a GPTQ / AWQ checkpoint loads into QuantizedLinear projections as declared,
+    and asking to quantize it again is an error."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
-    model = LlamaForCausalLM(config, max_positions, device=device, dtype=dtype)
+    fmt = quantization_format(folder)
+    if fmt is not None and quantization is not None:
+        raise ModelLoadError(f"{folder}: the checkpoint is already quantized ({fmt.describe()}, declared in "
+                             f"{fmt.source}); load it without quantization={quantization!r}")
+    model = LlamaForCausalLM(config, max_positions, device="meta" if fmt else device, dtype=dtype)
+    quantized = None
+    if fmt is not None:  # the decoder projections' float weights are never allocated
+        quantized = QuantizedCheckpoint(model, fmt, lambda fused: _split_sizes(config, fused))
+        model.to_empty(device=device)
+        model.rope_cos, model.rope_sin = rope_cache(config, max_positions, device, dtype)
     params = dict(model.named_parameters())
     expected = {name: params[name].numel() for name in params}
     filled = dict.fromkeys(params, 0)
@@ -72,16 +86,20 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store the shared matrix twice
+                    if quantized is not None and quantized.claim(name, path, partial(tensors.get_tensor, name)):
+                        continue
                     target, view = _target(name, params, config)
                     if target is None:
                         raise ModelLoadError(f"{path.name}: tensor '{name}' is not part of a {config.architecture}")
-                    tensor = tensors.get_tensor(name)
+                    tensor = place(name, tensors.get_tensor(name))
                     if tuple(tensor.shape) != tuple(view.shape):
                         raise ModelLoadError(
                             f"{path.name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
                             f"config.json implies {tuple(view.shape)}")
                     view.copy_(tensor)  # casts to the parameter's dtype
                     filled[target] += tensor.numel()
+        if quantized is not None:
+            quantized.install(model, device, dtype, place)
 
     missing = [name for name, count in filled.items() if count != expected[name]]
     if missing:
@@ -90,7 +108,22 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
     model.eval()
     if torch.device(device).type == "cpu":
         store_input_major(model)
+    if quantization is not None:
+        report = quantize_model(model, quantization, group_size)
+        log.info("quantized %d projections to %s: %.1f -> %.1f MiB (kernels %s)", report.num_modules, quantization,
+                 report.bytes_before / 2**20, report.bytes_after / 2**20, report.kernels)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the float weights' memory goes back for the KV cache to take
     return model
+
+
+def place(name: str, full):
+    """The sharding hook: every full checkpoint tensor (the float path, by its checkpoint name, e.g.
+    model.layers.3.self_attn.k_proj.weight) and every full QuantizedWeight of one projection part
+    (by its checkpoint module name, e.g. model.layers.3.self_attn.k_proj) passes through here on its
+    way into the model. It returns what this process holds: the whole of it on one device; tensor
+    parallelism slices here (narrow_out for column-parallel q/k/v/gate/up, narrow_in for o/down)."""
+    return full
 
 
 def store_input_major(model: torch.nn.Module) -> None:
