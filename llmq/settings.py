@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmq.engine.config import EngineConfig
+from llmq.engine.config import QUANTIZATION_METHODS, EngineConfig
 
 
 def _int(name: str, default: int | None) -> int | None:
@@ -57,6 +57,14 @@ def _weights(name: str) -> tuple[tuple[str, float], ...]:
     return tuple(pairs)
 
 
+def _quantization(name: str) -> str | None:
+    value = (os.environ.get(name) or "").strip().lower()
+    if value and value not in QUANTIZATION_METHODS:
+        raise ValueError(f"environment variable {name} must be one of {', '.join(QUANTIZATION_METHODS)} "
+                         f"(or unset for none), got {os.environ[name]!r}")
+    return value or None
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -93,6 +101,8 @@ class Settings:
     kv_cache_bytes: int | None = None
     tensor_parallel_size: int = 1  # a worker drives this many ranks x pipeline_parallel_size (one GPU each)
     pipeline_parallel_size: int = 1
+    quantization: str | None = None  # quantize the served model at load: int8 or int4 (EngineConfig)
+    quantization_group_size: int = 128
     worker_threads: int | None = None  # Celery threads per worker; default: 2 x max_num_seqs
     # Fair share: each tenant's weight (default 1) in the engine's split of slots and tokens, and the
     # task threads one tenant may hold on a worker (default: max_num_seqs, enough to fill the engine);
@@ -138,6 +148,8 @@ class Settings:
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
             tensor_parallel_size=_int("LLMQ_TENSOR_PARALLEL_SIZE", 1),
             pipeline_parallel_size=_int("LLMQ_PIPELINE_PARALLEL_SIZE", 1),
+            quantization=_quantization("LLMQ_QUANTIZATION"),
+            quantization_group_size=_int("LLMQ_QUANTIZATION_GROUP_SIZE", 128),
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
             tenant_weights=_weights("LLMQ_TENANT_WEIGHTS"),
             tenant_threads=_int("LLMQ_TENANT_THREADS", 0) or None,
@@ -191,7 +203,8 @@ class Settings:
         return EngineConfig(model=self._require("model_path"), device=self.device, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             tensor_parallel_size=self.tensor_parallel_size,
-                            pipeline_parallel_size=self.pipeline_parallel_size,
+                            pipeline_parallel_size=self.pipeline_parallel_size, quantization=self.quantization,
+                            quantization_group_size=self.quantization_group_size,
                             **({"kv_cache_bytes": self.kv_cache_bytes} if self.kv_cache_bytes else {}))
 
     def _require(self, name: str) -> str:

@@ -109,3 +109,24 @@ def test_parallel_sizes_reach_the_engine_config(monkeypatch):
     monkeypatch.setenv("LLMQ_TENSOR_PARALLEL_SIZE", "0")
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         replace(Settings.from_env(), model_path="/models/m").engine_config()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (None, 128)),
+    ({"LLMQ_QUANTIZATION": "int8"}, ("int8", 128)),
+    ({"LLMQ_QUANTIZATION": " INT4 ", "LLMQ_QUANTIZATION_GROUP_SIZE": "64"}, ("int4", 64)),
+])
+def test_quantization_reaches_the_engine_config(monkeypatch, env, expected):
+    for name in ("LLMQ_QUANTIZATION", "LLMQ_QUANTIZATION_GROUP_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MODEL_PATH", "/models/m")
+    config = Settings.from_env().engine_config()
+    assert (config.quantization, config.quantization_group_size) == expected
+
+
+def test_an_unknown_quantization_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv("LLMQ_QUANTIZATION", "fp8")
+    with pytest.raises(ValueError, match="LLMQ_QUANTIZATION must be one of int8, int4.*'fp8'"):
+        Settings.from_env()

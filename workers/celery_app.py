@@ -76,7 +76,8 @@ def start_engine(sender=None, **_):
                             background=ThreadPoolExecutor(2, thread_name_prefix="llmq-bookkeeping"))
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)
-    log.info("worker %s serving %s from %s", name, settings.resolved_model_name(), settings.model_path)
+    log.info("worker %s serving %s from %s (quantization %s)", name, settings.resolved_model_name(), settings.model_path,
+             settings.quantization or "none")
 
 
 def _send_parked(queue: str, work: ParkedWork) -> None:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
+QUANTIZATION_METHODS = ("int8", "int4")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -42,10 +45,14 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # ranks that each hold a run of layers (llmq/model/pipeline_parallel.py)
     pipeline_micro_batches: int | None = None  # a pipeline step's micro-batches; None: one per stage
     seed: int = 0  # seeds the generators of requests that give no seed of their own
+    # Quantize the decoder projections at load: "int8" (per output channel, symmetric) or "int4"
+    # (groups of quantization_group_size input columns). Embeddings, lm_head and norms stay as they are.
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "quantization_group_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
@@ -61,3 +68,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"EngineConfig.quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")

@@ -24,6 +24,7 @@ from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import AttentionMetadata, PrefillSpan
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
+from llmq.model.quantization.transform import weight_footprint
 from llmq.model.sampler import sample
 from llmq.model.shard_plan import ShardPlan
 from llmq.outputs import TokenLogprob
@@ -45,13 +46,25 @@ class MemoryBudget:
     block_bytes: int
     block_size: int
     num_blocks: int
+    quantization: str | None = None  # how the decoder projections are held (int8, int4, gptq 4-bit, ...)
+    unquantized_weights_bytes: int = 0  # the same model's weights unquantized, in the compute dtype
 
     @property
     def num_token_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def blocks_gained(self) -> int:
+        """KV blocks the quantization's saving buys: real on CUDA, where the cache takes what the
+        weights leave; on CPU (a fixed kv_cache_bytes) what the saved bytes would buy."""
+        return max(0, self.unquantized_weights_bytes - self.weights_bytes) // self.block_bytes
+
     def describe(self) -> str:
-        return (f"memory budget on {self.device}: weights {self.weights_bytes / _MIB:.1f} MiB, "
+        weights = f"weights {self.weights_bytes / _MIB:.1f} MiB"
+        if self.quantization:
+            weights += (f" ({self.quantization}; {self.unquantized_weights_bytes / _MIB:.1f} MiB unquantized: "
+                        f"{self.blocks_gained} more KV blocks for the same memory)")
+        return (f"memory budget on {self.device}: {weights}, "
                 f"activations {self.activation_bytes / _MIB:.1f} MiB, KV cache {self.kv_cache_bytes / _MIB:.1f} MiB "
                 f"= {self.num_blocks} blocks x {self.block_size} tokens ({self.block_bytes / 1024:.1f} KiB each) "
                 f"-> {self.num_token_slots} tokens fit")
@@ -78,7 +91,8 @@ class ModelRunner:
             max_model_len = min(max_model_len, self.model_config.sliding_window)
         self.block_size = config.block_size
         self.model = load_model(config.model, self.device, self.dtype, max_model_len, self.plan,
-                                self.group.comm if self.group else None)
+                                self.group.comm if self.group else None, quantization=config.quantization,
+                                group_size=config.quantization_group_size)
         self.budget = self._plan_memory(max_model_len)
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:
@@ -105,7 +119,8 @@ class ModelRunner:
     def _plan_memory(self, max_model_len: int) -> MemoryBudget:
         cfg, mc, local = self.config, self.model_config, self.plan.local_config
         element = torch.tensor([], dtype=self.dtype).element_size()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        footprint = weight_footprint(self.model, self.dtype)
+        weights = footprint.bytes
         block_bytes = 2 * self.plan.stage.num_layers * self.block_size * local.kv_size * element
         if self.device.type == "cuda":
             activations = self._measure_activation_peak()
@@ -124,7 +139,8 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache: weights take {weights / _MIB:.0f} MiB and "
                              f"activations {activations / _MIB:.0f} MiB; lower max_num_batched_tokens or use a smaller model")
         return MemoryBudget(str(self.device), weights, activations, num_blocks * block_bytes,
-                            block_bytes, self.block_size, num_blocks)
+                            block_bytes, self.block_size, num_blocks, footprint.quantization,
+                            footprint.unquantized_bytes)
 
     def _measure_activation_peak(self) -> int:
         """Run the largest step the scheduler can produce once, on a scratch cache, and measure."""

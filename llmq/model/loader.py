@@ -2,19 +2,24 @@
 
 Each tensor is read once, straight onto the target device, and copied into its (preallocated,
 target-dtype) parameter: a name lookup plus a shape check. q/k/v and gate/up land in their slice
-of the fused parameters.
+of the fused parameters. A GPTQ / AWQ checkpoint's projections go to quantization/checkpoints.py
+instead; everything else of it (embeddings, norms, biases, lm_head) takes the float path.
 """
 from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from llmq.model.llama import LlamaForCausalLM
-from llmq.model.model_config import ModelConfig
+from llmq.model.model_config import ModelConfig, ModelLoadError
+from llmq.model.quantization.checkpoints import QuantizedCheckpoint
+from llmq.model.quantization.formats import quantization_format
+from llmq.model.quantization.transform import quantize_model
 from llmq.model.shard_plan import ShardPlan, read_part
 from llmq.model.tensor_parallel import Communicator
 
@@ -27,10 +32,6 @@ _FUSED = {
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-class ModelLoadError(ValueError):
-    """The folder's weights do not fit the model; the message names the file and tensor."""
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -58,15 +59,27 @@ def _split_sizes(config: ModelConfig, fused: str) -> list[int]:
 
 
 def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtype, max_positions: int,
-               plan: ShardPlan | None = None, comm: Communicator | None = None) -> LlamaForCausalLM:
-    """The model of `folder`, or with `plan` one rank's share of it (reading only that share)."""
+               plan: ShardPlan | None = None, comm: Communicator | None = None, quantization: str | None = None,
+               group_size: int = 128) -> LlamaForCausalLM:
+    """The model of `folder`, or with `plan` one rank's share of it (reading only that share).
+
+    A float checkpoint loads as it is, or quantized after loading when `quantization` is int8 or int4
+    (quantize_model: a tensor-parallel rank quantizes its shards); a GPTQ / AWQ checkpoint loads into
+    QuantizedLinear projections as declared, and asking to quantize it again is an error."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     plan = plan or ShardPlan.for_rank(config)
-    model = plan.build(max_positions, device, dtype, comm)
+    fmt = quantization_format(folder)
+    if fmt is not None and quantization is not None:
+        raise ModelLoadError(f"{folder}: the checkpoint is already quantized ({fmt.describe()}, declared in "
+                             f"{fmt.source}); load it without quantization={quantization!r}")
+    expected_shapes = checkpoint_shapes(config)
+    model = plan.build_meta(max_positions, dtype, comm)
+    # A quantized checkpoint's projections are held by slots until read: their float weights are never allocated.
+    quantized = QuantizedCheckpoint(model, fmt, plan, expected_shapes) if fmt is not None else None
+    plan.materialize(model, device, dtype, max_positions)
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
-    expected_shapes = checkpoint_shapes(config)
     read_device = str(device) if str(device).startswith("cuda") else "cpu"
 
     with torch.no_grad():
@@ -77,6 +90,8 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store the shared matrix twice
+                    if quantized is not None and quantized.claim(name, path, partial(tensors.get_tensor, name)):
+                        continue
                     if name not in expected_shapes:
                         raise ModelLoadError(f"{path.name}: tensor '{name}' is not part of a {config.architecture}")
                     shape = tuple(tensors.get_slice(name).get_shape())
@@ -91,6 +106,8 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
                             view = view[: tensor.shape[0]]
                         view.copy_(tensor)  # casts to the parameter's dtype
                         filled[target] += tensor.numel()
+        if quantized is not None:
+            quantized.install(model, device, dtype)
 
     missing = [name for name, count in filled.items() if count != params[name].numel()]
     if missing:
@@ -99,6 +116,12 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
     model.eval()
     if torch.device(device).type == "cpu":
         store_input_major(model)
+    if quantization is not None:
+        report = quantize_model(model, quantization, group_size)
+        log.info("quantized %d projections to %s: %.1f -> %.1f MiB (kernels %s)", report.num_modules, quantization,
+                 report.bytes_before / 2**20, report.bytes_after / 2**20, report.kernels)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the float weights' memory goes back for the KV cache to take
     return model
 
 

@@ -17,6 +17,10 @@ class ModelConfigError(ValueError):
     """A model folder llmq cannot serve; the message names the file and field."""
 
 
+class ModelLoadError(ValueError):
+    """The folder's weights do not fit the model; the message names the file and tensor."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

@@ -14,6 +14,8 @@ from torch import nn
 
 from llmq.model.llama import LlamaForCausalLM
 
+_LAYERS = "model.layers."
+
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
     """[start, end) of the layers of `stage`: contiguous, as even as they split, earlier stages
@@ -51,12 +53,12 @@ class PipelineStage:
     def local_names(self, name: str, tied: bool) -> list[str]:
         """The names, in this stage's model, of the parameters that checkpoint tensor `name` fills:
         none for another stage's layers; layer indices counted from this stage's first."""
-        if name.startswith("model.layers."):
-            index, rest = name[len("model.layers."):].split(".", 1)
+        if name.startswith(_LAYERS):
+            index, rest = name[len(_LAYERS):].split(".", 1)
             index = int(index)
             if not self.first_layer <= index < self.end_layer:
                 return []
-            return [f"model.layers.{index - self.first_layer}.{rest}"]
+            return [f"{_LAYERS}{index - self.first_layer}.{rest}"]
         if name == "model.embed_tokens.weight":
             names = ["model.embed_tokens.weight"] if self.is_first else []
             if tied and self.is_last and not self.is_first:
@@ -65,6 +67,14 @@ class PipelineStage:
         if name in ("model.norm.weight", "lm_head.weight"):
             return [name] if self.is_last else []
         return [name]
+
+
+    def checkpoint_name(self, local: str) -> str:
+        """The inverse of local_names for a layer's module or parameter."""
+        if not local.startswith(_LAYERS):
+            return local
+        index, rest = local[len(_LAYERS):].split(".", 1)
+        return f"{_LAYERS}{int(index) + self.first_layer}.{rest}"
 
 
 class HiddenStatesIn(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from llmq.model.llama import LlamaForCausalLM
 from llmq.model.model_config import ModelConfig
 from llmq.model.pipeline_parallel import PipelineStage, keep_stage
+from llmq.model.quantization.weight import QuantizedWeight
 from llmq.model.rope import rope_cache
 from llmq.model.tensor_parallel import Communicator, TensorParallelShape, shard_model
 
@@ -39,21 +40,40 @@ class ShardPlan:
         """This rank's heads and rows (the layers count stays the model's)."""
         return self.tensor.local_config()
 
-    def build(self, max_positions: int, device, dtype, comm: Communicator | None) -> LlamaForCausalLM:
-        """The rank's model with uninitialised weights: built at full size on the meta device,
-        transformed, then allocated at the rank's own size."""
+    def build_meta(self, max_positions: int, dtype, comm: Communicator | None) -> LlamaForCausalLM:
+        """The rank's model on the meta device: built at full size, then transformed to this rank's
+        share, so nothing is allocated for what other ranks hold."""
         model = LlamaForCausalLM(self.config, max_positions, device="meta", dtype=dtype)
         if self.tensor.size > 1:
             shard_model(model, self.tensor, comm)
         if self.stage.num_stages > 1:
             keep_stage(model, self.stage)
-        tied = (model.lm_head is not None and model.model.embed_tokens is not None
+        return model
+
+    def materialize(self, model: LlamaForCausalLM, device, dtype, max_positions: int) -> None:
+        """Allocate a build_meta model's weights (uninitialised) on `device`, and its RoPE tables."""
+        tied = (model.lm_head is not None
                 and model.lm_head.weight is getattr(model.model.embed_tokens, "weight", None))
         model.to_empty(device=device)
         if tied:  # to_empty makes a new parameter per module
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rope_cos, model.rope_sin = rope_cache(self.config, max_positions, device, dtype)
-        return model
+
+    def checkpoint_module(self, local: str) -> str:
+        """The checkpoint's name for one of this rank's modules (its layer index counted from the model's first)."""
+        return self.stage.checkpoint_name(local)
+
+    def holds_layer_of(self, name: str) -> bool:
+        """Whether checkpoint name `name` is of a layer on this rank's stage (True for what is no layer's)."""
+        return bool(self.stage.local_names(name, tied=False)) or not name.startswith("model.layers.")
+
+    def shard_quantized(self, part: str, weight: QuantizedWeight) -> QuantizedWeight:
+        """This rank's share of the full quantized weight of checkpoint projection `part`."""
+        where = self.tensor.checkpoint_slice(f"{part}.weight") if self.tensor.size > 1 else True
+        if where is True:
+            return weight
+        dim, start, length = where
+        return weight.narrow_out(start, length) if dim == 0 else weight.narrow_in(start, length)
 
     def locate(self, name: str) -> list[tuple[str, tuple[int, int, int] | None]]:
         """Where checkpoint tensor `name` goes on this rank: (parameter name before fusing, the
