@@ -27,6 +27,7 @@ from llmq.model.loader import ModelLoadError, load_model
 from llmq.model.quantization.checkpoints import pack_awq, pack_gptq
 from llmq.model.quantization.linear import QuantizedLinear
 from llmq.model.quantization.rtn import quantize_rtn
+from llmq.model.quantization.weight import QuantizedWeight
 from llmq.sampling_params import SamplingParams
 
 ATOL = 1e-4
@@ -249,3 +250,19 @@ def test_quantizing_an_already_quantized_checkpoint(gptq_copy):
 def test_a_declared_format_llmq_cannot_run(gptq_copy, declared, substrings):
     edit_config(gptq_copy, quantization_config=declared)
     refused(gptq_copy, *substrings)
+
+
+def test_every_full_tensor_and_quantized_part_passes_the_sharding_hook(gptq_copy, monkeypatch):
+    """loader.place sees each float tensor by its checkpoint name and each projection part as one
+    full QuantizedWeight by its checkpoint module name (what tensor parallelism slices)."""
+    import llmq.model.loader as loader
+
+    seen = {}
+    monkeypatch.setattr(loader, "place", lambda name, full: seen.setdefault(name, full))
+    load_model(gptq_copy, "cpu", torch.float32, max_positions=64)
+    part = seen["model.layers.1.self_attn.k_proj"]
+    assert isinstance(part, QuantizedWeight) and (part.out_features, part.in_features) == (32, 64)
+    assert seen["model.layers.1.mlp.down_proj"].in_features == 128
+    assert isinstance(seen["model.layers.0.input_layernorm.weight"], torch.Tensor)
+    assert isinstance(seen["model.embed_tokens.weight"], torch.Tensor)
+    assert sum(isinstance(v, QuantizedWeight) for v in seen.values()) == 2 * 7
