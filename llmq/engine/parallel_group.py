@@ -96,7 +96,7 @@ class ParallelGroup:
                                 world_size=tp * pp, timeout=_INIT_TIMEOUT)
         control = dist.new_group(backend="gloo") if cuda else None
         tensor_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]  # every rank makes all
-        return cls(rank, tp, pp, Communicator(tensor_groups[rank // tp], tp), control)
+        return cls(rank, tp, pp, Communicator(tensor_groups[rank // tp], rank % tp, tp), control)
 
     # ---- steps -------------------------------------------------------------------------------
 

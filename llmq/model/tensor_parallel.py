@@ -26,13 +26,15 @@ from torch import nn
 
 from llmq.model.llama import Linear, LlamaForCausalLM
 from llmq.model.model_config import ModelConfig
+from llmq.model.quantization.rtn import ColumnShard
 
 
 class Communicator:
     """The collectives of one tensor-parallel group, timed (the communication share of a step)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int):
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int):
         self.group = group
+        self.rank = rank
         self.size = size
         self.seconds = 0.0
 
@@ -49,6 +51,12 @@ class Communicator:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         self.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
+
+    def agree_ranges(self, high: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's (high, low) -> the elementwise max of the highs and min of the lows."""
+        both = torch.stack([high, -low])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return both[0], -both[1]
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,12 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.inner(x))
+
+    def column_shard(self) -> ColumnShard:
+        """Which input columns this rank holds, and how the ranks agree on each group's range, so
+        that quantizing at load gives every rank its part of the whole matrix's quantization."""
+        width = self.inner.weight.shape[1]
+        return ColumnShard(self.comm.rank * width, self.comm.size * width, self.comm.agree_ranges)
 
 
 class VocabParallelEmbedding(nn.Module):

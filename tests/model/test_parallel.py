@@ -227,3 +227,29 @@ def test_micro_batches_cover_the_batch_once_balanced_by_tokens_with_samplers_in_
     assert whole.positions[:4] == [12, 7, 3, 2]
     assert [whole.input_ids[row] for row in whole.sample_rows] == [9, 8, 4, 5, 13, 3]
     assert micro_batches(batch, block_size=4, count=8)[5].num_tokens == 1  # no more parts than sequences
+
+
+# ---- with at-load quantization: each rank quantizes its own shards -----------------------------------
+
+@pytest.fixture(scope="module")
+def llama_for_quantization(tmp_path_factory):
+    """o_proj 64 input columns wide, down_proj 96: on two ranks, 32 and 48 each, so int4 groups of 32
+    fall across the down_proj shards' boundary."""
+    config = small_config(LlamaConfig, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    return write_random_model(tmp_path_factory.mktemp("llama-for-quantization"), config, seed=5)
+
+
+@pytest.mark.parametrize("quantization, layout", [
+    ("int4", dict(tensor_parallel_size=2)),
+    ("int8", dict(tensor_parallel_size=2)),
+    ("int4", dict(pipeline_parallel_size=2)),
+], ids=["int4-tp2", "int8-tp2", "int4-pp2"])
+def test_quantized_at_load_under_parallelism_equals_one_rank(llama_for_quantization, quantization, layout):
+    """Each rank quantizes its own shards, as its part of the whole matrix: a row-parallel shard's
+    ranks agree on the range of each group they share (int8: the whole row), so the codes and scales
+    are one rank's exactly."""
+    prompts = random_prompts([5, 17, 9, 30])
+    options = dict(quantization=quantization, quantization_group_size=32)
+    reference = generate(llama_for_quantization, prompts, greedy(12), **options)
+    outputs = generate(llama_for_quantization, prompts, greedy(12), **options, **layout)
+    assert_same_outputs(outputs, reference, f"{quantization} {layout}")

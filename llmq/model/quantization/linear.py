@@ -79,8 +79,15 @@ def _int8_layout(module: QuantizedLinear, w: QuantizedWeight, device: torch.devi
         return None
     if device.type == "cpu" and dtype != torch.float32 and w.in_features % 16:
         return None
-    module.register_buffer("qweight", (w.codes.to(torch.int16) - 128).to(torch.int8).contiguous())
-    module.register_buffer("scales", w.scales[:, 0].to(dtype).contiguous())
+    qweight = (w.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+    scales = w.scales[:, 0].to(dtype).contiguous()
+    if device.type != "cpu":
+        try:  # not every torch build has this kernel for every device and dtype
+            torch._weight_int8pack_mm(torch.zeros(1, w.in_features, device=device, dtype=dtype), qweight, scales)
+        except (RuntimeError, NotImplementedError):
+            return None
+    module.register_buffer("qweight", qweight)
+    module.register_buffer("scales", scales)
     term = (128 - w.zeros[:, 0]) * w.scales[:, 0]  # [out], float32
     module.register_buffer("zero_term", term if bool(term.any()) else None)
     return "int8pack_mm"
@@ -109,7 +116,10 @@ def _int4_layout(module: QuantizedLinear, w: QuantizedWeight, device: torch.devi
     if cuda:
         inner_k_tiles = next(t for t in (8, 4, 2) if padded_in % (16 * t) == 0)
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # [Np, Kp/2]: even column high
-        packed = torch._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+        try:
+            packed = torch._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+        except RuntimeError:  # tinygemm needs compute capability 8.0 (Ampere) or newer
+            return None
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
     module.register_buffer("qweight", packed)

@@ -50,7 +50,9 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> QuantizationReport:
     """Swap every decoder projection for a QuantizedLinear of `method` (int8: per output channel,
     symmetric; int4: groups of `group_size` input columns, asymmetric), from whatever weight it
-    holds now (a tensor-parallel shard quantizes as a matrix of its own). Same device and dtype."""
+    holds now. A tensor-parallel shard quantizes as its part of the whole matrix would: the shards of
+    a row-parallel projection (a parent with `column_shard()`) agree on the ranges of the groups they
+    share. Same device and dtype."""
     if method not in METHODS:
         raise ValueError(f"quantization method must be one of {', '.join(METHODS)}; got {method!r}")
     before = after = 0
@@ -58,7 +60,9 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> Quan
     projections = decoder_projections(model)
     for name, module in projections:
         weight, bias = module.weight, module._parameters.get("bias")
-        quantized = quantize_int8(weight) if method == "int8" else quantize_int4(weight, group_size)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        shard = parent.column_shard() if hasattr(parent, "column_shard") else None  # a row-parallel shard
+        quantized = quantize_int8(weight, shard) if method == "int8" else quantize_int4(weight, group_size, shard)
         new = QuantizedLinear(quantized, bias, weight.device, weight.dtype, method)
         before += sum(_nbytes(t) for t in (weight, bias) if t is not None)
         after += module_bytes(new)
