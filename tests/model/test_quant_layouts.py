@@ -168,14 +168,16 @@ def test_int4_groups_no_kernel_tiling_fits_are_dequantized():
     torch.testing.assert_close(read_back(module, torch.float32), q.dequantize(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [5, 40], ids=["kernel", "dense-batch"])
 @pytest.mark.parametrize("sym", [True, False])
-def test_int8_kernel_reads_back_the_reference(sym):
-    """Symmetric: the midpoint zero. Asymmetric (GPTQ 8-bit): the zero's term added per row."""
+def test_int8_kernel_reads_back_the_reference(sym, rows):
+    """Symmetric: the midpoint zero. Asymmetric (GPTQ 8-bit): the zero's term added per row. A batch
+    of 32 rows or more multiplies the codes densely on a CPU: the same values."""
     q = quantize_rtn(torch.randn(48, 64), 8, None, sym=sym)
     module = QuantizedLinear(q, torch.randn(48), "cpu", torch.float32, "int8")
     assert module.kernel == "int8pack_mm" and module.qweight.dtype == torch.int8
     assert (module.zero_term is None) == sym
-    x = torch.randn(5, 64)
+    x = torch.randn(rows, 64)
     torch.testing.assert_close(module(x), x @ q.dequantize().t() + module.bias, atol=1e-4, rtol=1e-5)
 
 

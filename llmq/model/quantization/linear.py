@@ -3,6 +3,8 @@ fastest kernel that applies on its device, chosen once at build.
 
 - 8-bit, one group per row: torch._weight_int8pack_mm (int8 weight, per-channel scale). Zeros other
   than the midpoint 128 (asymmetric GPTQ) are folded into a per-row term x.sum() * (128 - z) * s.
+  On a CPU, batches of _INT8_DENSE_ROWS rows and more take a dense product of the codes instead
+  (converted to the compute dtype for the call, then scaled per output row).
   Not on CPU for bfloat16/float16 unless in_features % 16 == 0: that kernel reads past the row
   otherwise (measured on torch 2.13: NaN, inf, or a segfault).
 - 4-bit: torch's tinygemm int4 kernels, which compute (q - 8) * scale + zero per group of 32, 64,
@@ -26,6 +28,9 @@ from torch import nn
 from llmq.model.quantization.weight import QuantizedWeight
 
 _INT4_GROUPS = (256, 128, 64, 32)  # the group sizes tinygemm takes
+# From this many rows on, int8 on a CPU multiplies the codes converted to the compute dtype (measured
+# crossover on a 2-core AMX machine: benchmarks/bigger_models.py).
+_INT8_DENSE_ROWS = 32
 
 
 class QuantizedLinear(nn.Module):
@@ -50,7 +55,12 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "dequantize":
             return F.linear(x, self.dequantized_weight(), self.bias).reshape(*shape, self.out_features)
         if self.kernel == "int8pack_mm":
-            y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)  # [T, out]
+            if x.shape[0] >= _INT8_DENSE_ROWS and x.device.type == "cpu":
+                # The CPU kernel costs the same per row whatever the batch; a dense product of the
+                # codes (exact in every float dtype) runs on the matrix units, then the scales.
+                y = F.linear(x, self.qweight.to(x.dtype)) * self.scales  # [T, out]
+            else:
+                y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)  # [T, out]
             if self.zero_term is not None:
                 y = y + (x.float().sum(-1, keepdim=True) * self.zero_term).to(y.dtype)
         else:
