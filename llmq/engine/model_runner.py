@@ -179,9 +179,14 @@ class ModelRunner:
             steps = micro_batches(batch, self.block_size, self.num_micro_batches)
         else:
             steps = [StepInput.from_batch(batch, self.block_size)]
-        if self.group:
-            self.group.broadcast(steps)
-        logits = self.execute(steps)
+        try:
+            if self.group:
+                self.group.broadcast(steps)
+            logits = self.execute(steps)
+        except Exception as err:
+            if self.group:
+                self.group.abandon(f"a step failed on rank 0 ({type(err).__name__}: {err})")
+            raise
         if not batch.samplers:
             return [], []
         return sample(logits, batch.samplers)

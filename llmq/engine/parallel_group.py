@@ -4,7 +4,8 @@ Rank 0 is the engine's own process: it schedules, samples, and starts the other 
 their own (`python -m llmq.engine.rank_main`), which load their shards and then follow the steps rank
 0 broadcasts (llmq/engine/model_runner.py: `ModelRunner.follow`). torch.distributed carries
 everything: gloo on CPU; on CUDA, NCCL for the tensors and gloo for the step broadcasts, which are
-small Python objects. A rank whose parent is gone exits, so no rank outlives its engine.
+small Python objects. A rank whose parent is gone exits, so no rank outlives its engine; a rank that
+dies ends rank 0's process, so no engine runs on without one of its shards.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class ParallelGroup:
     comm: Communicator
     control: dist.ProcessGroup | None
     followers: list[subprocess.Popen] = field(default_factory=list)
+    _closing: threading.Event = field(default_factory=threading.Event)
 
     @property
     def world_size(self) -> int:
@@ -84,7 +86,29 @@ class ParallelGroup:
                  len(followers), config.tensor_parallel_size, config.pipeline_parallel_size)
         group = cls.join(config, 0, init_method)
         group.followers = followers
+        threading.Thread(target=group._watch_followers, name="llmq-rank-watch", daemon=True).start()
         return group
+
+    def _watch_followers(self, interval: float = 0.5) -> None:
+        while not self._closing.is_set():
+            if any(process.poll() is not None for process in self.followers) and not self._closing.is_set():
+                self.abandon("a rank process ended")
+            self._closing.wait(interval)
+
+    def abandon(self, reason: str) -> None:
+        """End this process now. A rank that died, or a step some rank could not finish, leaves the
+        ranks out of step and a shard's weights and KV cache gone: no step can run again. Ending at
+        once, before the requests in flight are failed (as a dead engine process ends its worker),
+        gives them back to the broker, for another worker to resume from their checkpoints."""
+        deadline = time.monotonic() + 1.0  # a rank killed a moment ago may not have its exit code yet
+        while not any(p.poll() is not None for p in self.followers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = [f"rank {rank} (pid {p.pid}) exit code {p.returncode}"
+                 for rank, p in enumerate(self.followers, start=1) if p.poll() is not None]
+        log.critical("%s (%s); the engine cannot go on without all its ranks", reason, ", ".join(ended) or
+                     "every rank process is still running")
+        logging.shutdown()
+        os._exit(1)
 
     @classmethod
     def join(cls, config: EngineConfig, rank: int, init_method: str) -> "ParallelGroup":
@@ -120,6 +144,7 @@ class ParallelGroup:
 
     def close(self, timeout: float = 30.0) -> None:
         """Rank 0: tell the other ranks to stop, wait for them, leave the group."""
+        self._closing.set()
         if self.rank == 0 and dist.is_initialized():
             try:
                 self.broadcast(STOP)

@@ -1,10 +1,12 @@
 """One Celery worker serves one tensor-parallel group end to end, as it serves one device: real
 workers with LLMQ_TENSOR_PARALLEL_SIZE=2 (each drives a rank process of its own over gloo) stream
 tokens, cancel and free every block, and, told to stop mid-batch, hand their work back to the other
-worker, which resumes it from the checkpoints; the stopped worker's rank process ends with it."""
+worker, which resumes it from the checkpoints; the stopped worker's rank process ends with it. A
+worker whose rank process is killed ends too, and another worker resumes its lines."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -22,6 +24,10 @@ from test_recovery import (
 from test_streams import sse_events, submit
 
 from tests.service.conftest import wait_until, worker_blocks
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def rank_processes() -> set[int]:
@@ -68,4 +74,18 @@ def test_a_tensor_parallel_worker_streams_cancels_and_hands_back(served_model_di
         assert_batch_came_through(api, stack, batch_id, offline)
         assert "from its checkpoint" in log_of(tmp_path, "w1"), "no handed-back line was resumed"
         wait_until(lambda: len(rank_processes() & ours) == 1, timeout=30)  # w0's rank ended with it
+
+        stack.start_worker("w2")
+        wait_until(lambda: any(w["name"].startswith("w2@") for w in api.get("/v1/workers").json()["data"]),
+                   timeout=180)
+        w1 = stack.workers["w1"]
+        (w1_rank,) = [pid for pid in rank_processes() if parent_of(parent_of(pid)) == w1.pid]  # w1 -> engine -> rank
+        batch_id = start_batch(api)
+        wait_until(lambda: running_on(api, "w1") > 0, timeout=120, interval=0.1)
+        time.sleep(1.0)
+        os.kill(w1_rank, signal.SIGKILL)
+        assert w1.wait(30) != 0, "a worker without its rank should end"
+        assert "the engine cannot go on without all its ranks" in log_of(tmp_path, "w1")
+        assert_batch_came_through(api, stack, batch_id, offline)
+        assert "from its checkpoint" in log_of(tmp_path, "w2"), "no line of the ended worker was resumed"
     wait_until(lambda: not rank_processes() & ours, timeout=30)
