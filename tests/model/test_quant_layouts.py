@@ -172,7 +172,7 @@ def test_int4_groups_no_kernel_tiling_fits_are_dequantized():
 @pytest.mark.parametrize("sym", [True, False])
 def test_int8_kernel_reads_back_the_reference(sym, rows):
     """Symmetric: the midpoint zero. Asymmetric (GPTQ 8-bit): the zero's term added per row. A batch
-    of 32 rows or more multiplies the codes densely on a CPU: the same values."""
+    of 16 rows or more multiplies the codes densely on a CPU: the same values."""
     q = quantize_rtn(torch.randn(48, 64), 8, None, sym=sym)
     module = QuantizedLinear(q, torch.randn(48), "cpu", torch.float32, "int8")
     assert module.kernel == "int8pack_mm" and module.qweight.dtype == torch.int8

@@ -4,7 +4,7 @@ fastest kernel that applies on its device, chosen once at build.
 - 8-bit, one group per row: torch._weight_int8pack_mm (int8 weight, per-channel scale). Zeros other
   than the midpoint 128 (asymmetric GPTQ) are folded into a per-row term x.sum() * (128 - z) * s.
   On a CPU, batches of _INT8_DENSE_ROWS rows and more take a dense product of the codes instead
-  (converted to the compute dtype for the call, then scaled per output row).
+  (converted to the compute dtype into a reused buffer, then scaled per output row).
   Not on CPU for bfloat16/float16 unless in_features % 16 == 0: that kernel reads past the row
   otherwise (measured on torch 2.13: NaN, inf, or a segfault).
 - 4-bit: torch's tinygemm int4 kernels, which compute (q - 8) * scale + zero per group of 32, 64,
@@ -21,6 +21,8 @@ fastest kernel that applies on its device, chosen once at build.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,9 +30,21 @@ from torch import nn
 from llmq.model.quantization.weight import QuantizedWeight
 
 _INT4_GROUPS = (256, 128, 64, 32)  # the group sizes tinygemm takes
-# From this many rows on, int8 on a CPU multiplies the codes converted to the compute dtype (measured
-# crossover on a 2-core AMX machine: benchmarks/bigger_models.py).
-_INT8_DENSE_ROWS = 32
+# From this many rows on, int8 on a CPU multiplies the codes converted to the compute dtype (the
+# crossover measured on a 2-core AMX machine, from bench-42m's to a 1.1 B model's matrices).
+_INT8_DENSE_ROWS = 16
+_scratch = threading.local()  # per thread (one engine loop each): the converted codes of one matrix
+
+
+def _codes_as(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 codes [out, in] in `dtype`, in a buffer reused call after call: a fresh allocation of a
+    large matrix costs more in page faults than the conversion itself."""
+    key = (codes.device, dtype)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < codes.numel():
+        buffer = buffers[key] = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    return buffer[: codes.numel()].view(codes.shape).copy_(codes)
 
 
 class QuantizedLinear(nn.Module):
@@ -58,7 +72,7 @@ class QuantizedLinear(nn.Module):
             if x.shape[0] >= _INT8_DENSE_ROWS and x.device.type == "cpu":
                 # The CPU kernel costs the same per row whatever the batch; a dense product of the
                 # codes (exact in every float dtype) runs on the matrix units, then the scales.
-                y = F.linear(x, self.qweight.to(x.dtype)) * self.scales  # [T, out]
+                y = F.linear(x, _codes_as(self.qweight, x.dtype)) * self.scales  # [T, out]
             else:
                 y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)  # [T, out]
             if self.zero_term is not None:
