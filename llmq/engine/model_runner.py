@@ -72,9 +72,24 @@ class MemoryBudget:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, group: ParallelGroup | None = None):
-        """Rank 0 passes no group: for a parallel config it starts the other ranks itself."""
+        """Rank 0 passes no group: for a parallel config it starts the other ranks itself (and stops
+        them again if it cannot load)."""
         world = config.tensor_parallel_size * config.pipeline_parallel_size
-        self.group = group if group is not None or world == 1 else ParallelGroup.launch(config)
+        launched = group is None and world > 1
+        if launched:  # sizes that do not split the model fail here, before any rank starts
+            ShardPlan.for_rank(ModelConfig.from_folder(config.model), 0, config.tensor_parallel_size,
+                               config.pipeline_parallel_size)
+        self.group = ParallelGroup.launch(config) if launched else group
+        try:
+            self._load(config, world)
+        except BaseException:
+            if launched:
+                self.group.close(stop_ranks=False)  # they may be waiting in a collective: no stop to hear
+            raise
+        if launched:
+            self.group.watch()
+
+    def _load(self, config: EngineConfig, world: int) -> None:
         self.rank = self.group.rank if self.group else 0
         self.config = config
         self.device = device_of(config, self.rank)

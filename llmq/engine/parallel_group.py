@@ -84,31 +84,30 @@ class ParallelGroup:
             followers.append(process)
         log.info("started %d rank process(es) for tensor_parallel_size %d x pipeline_parallel_size %d",
                  len(followers), config.tensor_parallel_size, config.pipeline_parallel_size)
+        joined = threading.Event()
+        watcher = threading.Thread(target=_watch_while_joining, args=(followers, joined), daemon=True,
+                                   name="llmq-rank-watch-join")
+        watcher.start()
         group = cls.join(config, 0, init_method)
+        joined.set()
         group.followers = followers
-        threading.Thread(target=group._watch_followers, name="llmq-rank-watch", daemon=True).start()
         return group
 
-    def _watch_followers(self, interval: float = 0.5) -> None:
-        while not self._closing.is_set():
-            if any(process.poll() is not None for process in self.followers) and not self._closing.is_set():
-                self.abandon("a rank process ended")
-            self._closing.wait(interval)
+    def watch(self, interval: float = 0.5) -> None:
+        """Rank 0, once every rank has loaded: from now on a rank that ends ends the engine (abandon)."""
+        def run() -> None:
+            while not self._closing.wait(interval):
+                if any(process.poll() is not None for process in self.followers) and not self._closing.is_set():
+                    self.abandon("a rank process ended")
+
+        threading.Thread(target=run, name="llmq-rank-watch", daemon=True).start()
 
     def abandon(self, reason: str) -> None:
         """End this process now. A rank that died, or a step some rank could not finish, leaves the
         ranks out of step and a shard's weights and KV cache gone: no step can run again. Ending at
         once, before the requests in flight are failed (as a dead engine process ends its worker),
         gives them back to the broker, for another worker to resume from their checkpoints."""
-        deadline = time.monotonic() + 1.0  # a rank killed a moment ago may not have its exit code yet
-        while not any(p.poll() is not None for p in self.followers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ended = [f"rank {rank} (pid {p.pid}) exit code {p.returncode}"
-                 for rank, p in enumerate(self.followers, start=1) if p.poll() is not None]
-        log.critical("%s (%s); the engine cannot go on without all its ranks", reason, ", ".join(ended) or
-                     "every rank process is still running")
-        logging.shutdown()
-        os._exit(1)
+        _exit_for(reason, self.followers)
 
     @classmethod
     def join(cls, config: EngineConfig, rank: int, init_method: str) -> "ParallelGroup":
@@ -142,10 +141,14 @@ class ParallelGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
         return int(tensor.item())
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Rank 0: tell the other ranks to stop, wait for them, leave the group."""
+    def close(self, timeout: float = 30.0, stop_ranks: bool = True) -> None:
+        """Rank 0: tell the other ranks to stop (or, when they may be mid-collective, kill them),
+        wait for them, leave the group."""
         self._closing.set()
-        if self.rank == 0 and dist.is_initialized():
+        if not stop_ranks:
+            for process in self.followers:
+                process.kill()
+        elif self.rank == 0 and dist.is_initialized():
             try:
                 self.broadcast(STOP)
             except RuntimeError:  # a rank is already gone
@@ -176,6 +179,26 @@ def exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="llmq-rank-parent-watch", daemon=True).start()
+
+
+def _watch_while_joining(followers: list[subprocess.Popen], joined: threading.Event) -> None:
+    """A rank that ends before every rank has joined would leave rank 0 waiting for it until the
+    timeout: end instead, saying so (the rank's own log says why)."""
+    while not joined.wait(0.5):
+        if any(process.poll() is not None for process in followers):
+            _exit_for("a rank process ended before the ranks had joined", followers)
+
+
+def _exit_for(reason: str, followers: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 1.0  # a rank killed a moment ago may not have its exit code yet
+    while not any(p.poll() is not None for p in followers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = [f"rank {rank} (pid {p.pid}) exit code {p.returncode}"
+             for rank, p in enumerate(followers, start=1) if p.poll() is not None]
+    log.critical("%s (%s); the engine cannot go on without all its ranks", reason,
+                 ", ".join(ended) or "every rank process is still running")
+    logging.shutdown()
+    os._exit(1)
 
 
 def _free_port() -> int:

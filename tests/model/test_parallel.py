@@ -10,6 +10,8 @@ preemption, and the exact bookkeeping (layer split, checkpoint slices, micro-bat
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from test_parity import (
@@ -28,6 +30,7 @@ from llmq.engine.llm import LLM
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.sequence import Sequence
 from llmq.engine.step_input import StepInput, micro_batches
+from llmq.model.loader import ModelLoadError
 from llmq.model.model_config import ModelConfig
 from llmq.model.pipeline_parallel import PipelineStage, stage_layers
 from llmq.model.tensor_parallel import TensorParallelShape
@@ -253,3 +256,27 @@ def test_quantized_at_load_under_parallelism_equals_one_rank(llama_for_quantizat
     reference = generate(llama_for_quantization, prompts, greedy(12), **options)
     outputs = generate(llama_for_quantization, prompts, greedy(12), **options, **layout)
     assert_same_outputs(outputs, reference, f"{quantization} {layout}")
+
+
+# ---- refusals: a clean error on rank 0, no rank left behind -----------------------------------------
+
+def test_a_size_that_does_not_split_the_model_is_refused_before_any_rank_starts(stories_dir):
+    with pytest.raises(ValueError, match="num_attention_heads 8"):
+        LLM(str(stories_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="more than the model's 5 layers"):
+        LLM(str(stories_dir), pipeline_parallel_size=6)
+
+
+def test_a_checkpoint_every_rank_refuses_raises_on_rank_0_and_stops_the_ranks(stories_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bad"
+    shutil.copytree(stories_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"][:-1]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="up_proj.weight' has shape"):
+        LLM(str(folder), tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES)
+    assert not torch.distributed.is_initialized()
+    with LLM(str(stories_dir), tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES) as llm:  # and it can start again
+        assert llm.generate("Once upon a time", greedy(4), use_tqdm=False)[0].token_ids

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_parity import edit_config
 from transformers import LlamaForCausalLM
 
 from llmq.engine.llm import LLM
@@ -85,17 +86,6 @@ def quantized_pair(folder: Path, method: str, bits: int, group_size: int, sym: b
                  "version": "gemm"})
     edit_config(quantized_dir, quantization_config=declared)
     return quantized_dir, plain_dir
-
-
-def edit_config(folder: Path, **changes) -> None:
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
 
 
 def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
