@@ -39,7 +39,7 @@ _scratch = threading.local()  # per thread (one engine loop each): the converted
 def _codes_as(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 codes [out, in] in `dtype`, in a buffer reused call after call: a fresh allocation of a
     large matrix costs more in page faults than the conversion itself."""
-    key = (codes.device, dtype)
+    key = (codes.device, dtype, torch.is_inference_mode_enabled())  # an inference tensor is only writable in one
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < codes.numel():
