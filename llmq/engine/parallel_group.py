@@ -60,10 +60,6 @@ class ParallelGroup:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    @property
-    def stage(self) -> int:
-        return self.rank // self.tensor_parallel_size
-
     def rank_of(self, stage: int) -> int:
         """This rank's counterpart (same tensor rank) on `stage`."""
         return stage * self.tensor_parallel_size + self.rank % self.tensor_parallel_size

@@ -32,10 +32,6 @@ class ShardPlan:
                    PipelineStage.of(config.num_hidden_layers, pipeline_parallel_size, stage))
 
     @property
-    def is_whole(self) -> bool:
-        return self.tensor.size == 1 and self.stage.num_stages == 1
-
-    @property
     def local_config(self) -> ModelConfig:
         """This rank's heads and rows (the layers count stays the model's)."""
         return self.tensor.local_config()
