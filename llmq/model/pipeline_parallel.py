@@ -18,8 +18,8 @@ _LAYERS = "model.layers."
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
-    """[start, end) of the layers of `stage`: contiguous, as even as they split, earlier stages
-    taking the remainder (the first stage also embeds, the last also computes logits)."""
+    """[start, end) of the layers of `stage`: contiguous, as even as they split; where they do not,
+    the earlier stages take one more each."""
     if num_stages > num_layers:
         raise ValueError(f"pipeline_parallel_size {num_stages} is more than the model's {num_layers} layers")
     base, extra = divmod(num_layers, num_stages)

@@ -30,7 +30,8 @@ from llmq.model.quantization.rtn import ColumnShard
 
 
 class Communicator:
-    """The collectives of one tensor-parallel group, timed (the communication share of a step)."""
+    """The collectives of one tensor-parallel group, timed (the communication share of a step; on
+    CUDA, where NCCL returns before the data has moved, the time of their launch only)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int):
         self.group = group
