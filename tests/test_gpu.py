@@ -59,3 +59,16 @@ def test_cuda_two_gpus_over_nccl_equal_transformers(stories_dir, hf_greedy, layo
     with LLM(str(stories_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 20, **layout) as llm:
         for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
             assert out.token_ids == hf_greedy[prompt]
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_cuda_two_gpus_quantized_at_load_equal_one_gpu(stories_dir, quantization):
+    """Each rank quantizes its shards as its part of the whole matrix: the same tokens as one GPU
+    (float32: in bfloat16 the all-reduce of partial sums rounds differently from one product)."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", quantization=quantization, quantization_group_size=32)
+    with LLM(str(stories_dir), **options) as llm:
+        one = [out.token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(str(stories_dir), tensor_parallel_size=2, **options) as llm:
+        assert [out.token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False)] == one

@@ -252,3 +252,21 @@ def test_a_quantized_checkpoint_split_over_ranks_matches_transformers(tmp_path, 
     rank's rows (column-parallel) or columns (row-parallel, keeping the groups those columns use)."""
     quantized_dir, plain_dir = quantized_pair(tmp_path, method, bits, 32, sym=False, desc_act=desc_act)
     check_against_transformers(quantized_dir, plain_dir, **layout).close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, bits, desc_act", [("gptq", 4, True), ("gptq", 8, False), ("awq", 4, False)],
+                         ids=["gptq4-act-order", "gptq8", "awq"])
+def test_a_quantized_checkpoint_on_cuda_matches_transformers(tmp_path, method, bits, desc_act):
+    """float32 on the device keeps the comparison exact (int4 runs tinygemm only in bfloat16, so
+    here it takes the dequantize path; the kernel itself is read back in test_quant_layouts.py)."""
+    quantized_dir, plain_dir = quantized_pair(tmp_path, method, bits, 32, sym=False, desc_act=desc_act)
+    check_against_transformers(quantized_dir, plain_dir, device="cuda", dtype="float32").close()
+
+
+@pytest.mark.gpu2
+@pytest.mark.gpu
+def test_a_quantized_checkpoint_over_two_gpus_matches_transformers(tmp_path):
+    quantized_dir, plain_dir = quantized_pair(tmp_path, "gptq", 4, 32, sym=False, desc_act=True)
+    check_against_transformers(quantized_dir, plain_dir, device="cuda", dtype="float32",
+                               tensor_parallel_size=2).close()
