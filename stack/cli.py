@@ -24,6 +24,8 @@ def _make_engine(args):
     model = Path(args.model) if args.model else default_model_path()
     config = EngineConfig(model=str(model), device=args.device, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads or None,
+                          quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size,
                           **({"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}))
     return LLMEngine(config), model
 
@@ -37,11 +39,14 @@ def cmd_generate(args) -> int:
     engine.add_request("cli", args.prompt, params)
     sys.stdout.write(args.prompt)
     reason = None
-    while engine.has_unfinished():
-        for delta in engine.step():
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            reason = delta.finish_reason or reason
+    try:
+        while engine.has_unfinished():
+            for delta in engine.step():
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                reason = delta.finish_reason or reason
+    finally:
+        engine.close()
     sys.stdout.write("\n")
     print(f"[finish_reason: {reason}]", file=sys.stderr)
     return 0
@@ -51,7 +56,10 @@ def cmd_batch_run(args) -> int:
     from llmq.batch_runner import run_batch_file
 
     engine, model = _make_engine(args)
-    summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name)
+    try:
+        summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name)
+    finally:
+        engine.close()
     print(json.dumps({"output": str(Path(args.output).resolve()), **summary.__dict__}))
     return 0 if summary.failed == 0 else 3
 
@@ -94,7 +102,10 @@ def _add_engine_arguments(parser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, help="CPU KV cache size in bytes")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (per rank)")
+    parser.add_argument("--quantization", choices=("int8", "int4"), help="quantize the weights at load")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="ranks that each hold a run of layers")
 
 
 def build_parser() -> argparse.ArgumentParser:

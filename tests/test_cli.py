@@ -67,3 +67,13 @@ def test_demo_on_an_install_with_api_keys_uses_a_key_of_its_own(tmp_path):
     keys = [json.loads(line) for line in _llmq("keys", "list", "--json", env=env).stdout.splitlines()]
     demo_keys = [key for key in keys if key["tenant"] == "demo"]
     assert len(demo_keys) == 1 and demo_keys[0]["revoked_at"] is not None, keys
+
+
+def test_generate_quantized_over_two_ranks_streams_what_one_rank_makes(stories_dir):
+    expected = LLM(str(stories_dir), quantization="int8").generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].text
+    result = _llmq("generate", "--model", str(stories_dir), "--max-tokens", "20", "--quantization", "int8",
+                   "--tensor-parallel-size", "2", "Once upon a time")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Once upon a time" + expected + "\n"
+    assert "tensor shard 2/2" in result.stderr  # the second rank's memory budget line
