@@ -117,11 +117,10 @@ def main() -> None:
             results[f"{name}/{variant}"] = r
             base = results.get(f"{name}/bf16")
             ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
-            parallel = variant.startswith(("tp", "pp"))
+            split = (f"{r['comm_share']:.0%} | {r['bubble']:.0%}" if variant.startswith(("tp", "pp"))
+                     else "- | -")
             print(f"| {variant} | {r['weights_bytes'] / _MIB:.0f} MiB | {r['kv_blocks']} | {r['tok_s']:.1f} | {ratio} "
-                  f"| {r['comm_share']:.0%} | {r['bubble']:.0%} |" if parallel else
-                  f"| {variant} | {r['weights_bytes'] / _MIB:.0f} MiB | {r['kv_blocks']} | {r['tok_s']:.1f} | {ratio} "
-                  f"| - | - |", flush=True)
+                  f"| {split} |", flush=True)
     print(json.dumps({k: {key: (round(v, 4) if isinstance(v, float) else v) for key, v in r.items()}
                       for k, r in results.items()}))
 
