@@ -1,5 +1,6 @@
-"""GET /v1/workers: the workers' latest heartbeats (model, running, waiting, free and total KV blocks, and
-the engine loop's totals since the worker started: steps, busy_seconds, tokens), and how many of each
+"""GET /v1/workers: the workers' latest heartbeats (model, running, waiting, free and total KV blocks, how
+the model is held: quantization, tensor_parallel_size, pipeline_parallel_size, and the engine loop's
+totals since the worker started: steps, busy_seconds, tokens), and how many of each
 worker's task threads the caller's tenant holds (`tenant_threads`: other tenants are not shown)."""
 import json
 import time

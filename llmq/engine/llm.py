@@ -141,8 +141,12 @@ class LLMEngine:
     # ---- figures ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        """The load (running, waiting, KV blocks) and how the model is held (quantization, ranks)."""
         return {"running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
-                "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks}
+                "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
+                "quantization": self.model_runner.budget.quantization,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "pipeline_parallel_size": self.config.pipeline_parallel_size}
 
     def close(self) -> None:
         """Stop the other ranks of a parallel engine (nothing to do on one device)."""

@@ -151,7 +151,9 @@ def test_a_linear_inside_a_wrapper_is_swapped_in_place(stories_dir):
 
 def test_the_memory_budget_shows_the_saving(stories_dir, float_run):
     float_budget = float_run[0].engine.model_runner.budget
-    budget = LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES, quantization="int4").engine.model_runner.budget
+    engine = LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES, quantization="int4").engine
+    budget = engine.model_runner.budget
+    assert engine.stats()["quantization"] == "int4"  # what a worker's heartbeat reports
     assert float_budget.quantization is None and "unquantized" not in float_budget.describe()
     assert budget.quantization == "int4"
     assert budget.unquantized_weights_bytes == float_budget.weights_bytes

@@ -50,6 +50,9 @@ def test_a_tensor_parallel_worker_streams_cancels_and_hands_back(served_model_di
         ours = rank_processes() - before
         assert len(ours) == 2, "each worker's engine should have started one rank process"
         assert "tensor shard 2/2" in log_of(tmp_path, "w0")
+        beats = api.get("/v1/workers").json()["data"]
+        assert {(w["tensor_parallel_size"], w["pipeline_parallel_size"], w["quantization"]) for w in beats} == {
+            (2, 1, None)}
 
         prompt = "Once upon a time"
         request_id = submit(api, prompt=prompt, max_tokens=200, temperature=0, ignore_eos=True)
