@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_parity import edit_config
+from test_parity import edit_config, random_prompts, teacher_forced_logprobs
 from transformers import LlamaForCausalLM
 
 from llmq.engine.llm import LLM
@@ -88,22 +88,11 @@ def quantized_pair(folder: Path, method: str, bits: int, group_size: int, sym: b
     return quantized_dir, plain_dir
 
 
-def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
-
-
-@torch.no_grad()
-def teacher_forced_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    logits = model(input_ids=torch.tensor([prompt + generated])).logits[0].float()
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(generated)].log_softmax(-1)
-
-
 def check_against_transformers(quantized_dir: Path, plain_dir: Path, max_tokens: int = 12, **options) -> LLM:
     hf = LlamaForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
     llm = LLM(str(quantized_dir), kv_cache_bytes=4 << 20, **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_K)
-    for i, out in enumerate(llm.generate(prompts([5, 17, 30]), params, use_tqdm=False)):
+    for i, out in enumerate(llm.generate(random_prompts([5, 17, 30]), params, use_tqdm=False)):
         ref = teacher_forced_logprobs(hf, out.prompt_token_ids, out.token_ids)
         for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
             best = int(ref[step].argmax())
