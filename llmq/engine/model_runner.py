@@ -75,10 +75,12 @@ class ModelRunner:
         """Rank 0 passes no group: for a parallel config it starts the other ranks itself (and stops
         them again if it cannot load)."""
         world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.rank = group.rank if group else 0
+        self.model_config = ModelConfig.from_folder(config.model)
+        # Sizes that do not split the model fail here, before any rank starts.
+        self.plan = ShardPlan.for_rank(self.model_config, self.rank, config.tensor_parallel_size,
+                                       config.pipeline_parallel_size)
         launched = group is None and world > 1
-        if launched:  # sizes that do not split the model fail here, before any rank starts
-            ShardPlan.for_rank(ModelConfig.from_folder(config.model), 0, config.tensor_parallel_size,
-                               config.pipeline_parallel_size)
         self.group = ParallelGroup.launch(config) if launched else group
         try:
             self._load(config, world)
@@ -90,7 +92,6 @@ class ModelRunner:
             self.group.watch()
 
     def _load(self, config: EngineConfig, world: int) -> None:
-        self.rank = self.group.rank if self.group else 0
         self.config = config
         self.device = device_of(config, self.rank)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -98,9 +99,6 @@ class ModelRunner:
         if config.num_threads or (world > 1 and self.device.type == "cpu"):  # ranks on one host share its cores
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world))
         self.dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
-        self.model_config = ModelConfig.from_folder(config.model)
-        self.plan = ShardPlan.for_rank(self.model_config, self.rank, config.tensor_parallel_size,
-                                       config.pipeline_parallel_size)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:  # attention here is global: serve only what the window covers
             max_model_len = min(max_model_len, self.model_config.sliding_window)

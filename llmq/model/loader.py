@@ -114,14 +114,14 @@ def load_model(folder: str | Path, device: str | torch.device, dtype: torch.dtyp
         raise ModelLoadError(f"{folder}: weights missing from the safetensors files: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
     model.eval()
-    if torch.device(device).type == "cpu":
-        store_input_major(model)
     if quantization is not None:
         report = quantize_model(model, quantization, group_size)
         log.info("quantized %d projections to %s: %.1f -> %.1f MiB (kernels %s)", report.num_modules, quantization,
                  report.bytes_before / 2**20, report.bytes_after / 2**20, report.kernels)
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # the float weights' memory goes back for the KV cache to take
+    if torch.device(device).type == "cpu":
+        store_input_major(model)  # after quantizing: only what is still a float matrix
     return model
 
 

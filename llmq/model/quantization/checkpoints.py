@@ -109,7 +109,7 @@ class QuantizedCheckpoint:
         self.plan = plan
         self.slots: dict[str, str] = {}  # checkpoint module name -> slot's module name
         self.parts: dict[str, tuple[str, ...]] = {}  # slot's module name -> its checkpoint module names
-        self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint module name -> its full (out, in)
+        self.shapes = shapes
         self.tensors: dict[str, dict[str, tuple[Path, torch.Tensor]]] = {}  # checkpoint module -> suffix -> read
         for name, module in decoder_projections(model):
             base = plan.checkpoint_module(_checkpoint_base(name))
@@ -118,7 +118,6 @@ class QuantizedCheckpoint:
             replace_module(model, name, QuantizedSlot(module))
             self.parts[name] = parts
             self.slots.update(dict.fromkeys(parts, name))
-            self.shapes.update({part: shapes[f"{part}.weight"] for part in parts})
         self.suffixes = ("qweight", "qzeros", "scales") + (("g_idx",) if fmt.method == "gptq" else ())
 
     def claim(self, name: str, path: Path, read) -> bool:
@@ -139,9 +138,10 @@ class QuantizedCheckpoint:
         """Replace every slot by its QuantizedLinear of the rank's share of its parts."""
         for slot_name, parts in self.parts.items():
             slot = model.get_submodule(slot_name)
-            weights = [self.plan.shard_quantized(part, self._unpack(part, self.shapes[part][1],
-                                                                    self.shapes[part][0])).to(device)
-                       for part in parts]
+            weights = []
+            for part in parts:
+                out_features, in_features = self.shapes[f"{part}.weight"]
+                weights.append(self.plan.shard_quantized(part, self._unpack(part, in_features, out_features)).to(device))
             try:
                 weight = cat_out(weights)
             except ValueError as e:
