@@ -13,9 +13,16 @@ Per request id:
                      redelivered task runs the request only once this is free
 Shared:
   llmq:cancel        pub/sub channel of cancelled request ids; workers abort them at the next step
-  llmq:workers       hash: worker name -> heartbeat JSON (model, running, waiting, free/total KV blocks,
-                     the loop's steps, busy_seconds and tokens since the worker started, at)
+  llmq:workers       hash: worker name -> heartbeat JSON (model, state: starting/ready/draining,
+                     running, waiting, free/total KV blocks, max_num_seqs, capacity, tokens_per_s,
+                     the loop's steps, busy_seconds and tokens since the worker started, at; see
+                     llmq/fleet.py)
   llmq:sweep         a short lock: the worker holding it expires batches past their completion window
+  llmq:held:{worker} hash: the work a worker has taken from the broker and not finished (task:arg ->
+                     its task, argument, priority and queue), so the sweep sends a dead worker's
+                     work again as soon as its heartbeats stop (llmq/fleet.py)
+  llmq:autoscaler    hash: model -> the autoscaler's latest decision JSON (desired, actual, min, max,
+                     backend, at), written every tick by `llmq autoscale`
   llmq:steps         a pub/sub channel: each write (a worker writes once per engine step) is also
                      published here whole, as one JSON array of [stream key, event number, event]
                      for every event it appended, so a web process gets a step's events in one push
@@ -47,6 +54,7 @@ CANCEL_CHANNEL = "llmq:cancel"
 STEPS_CHANNEL = "llmq:steps"
 WORKERS_KEY = "llmq:workers"
 SWEEP_LOCK_KEY = "llmq:sweep"  # held by the worker sweeping for expired batches
+AUTOSCALER_KEY = "llmq:autoscaler"
 
 
 def stream_key(request_id: str) -> str:
@@ -63,6 +71,11 @@ def cancel_key(request_id: str) -> str:
 
 def lease_key(request_id: str) -> str:
     return f"llmq:lease:{request_id}"
+
+
+def held_key(worker: str) -> str:
+    """The work a worker holds (taken from the broker, not finished): see llmq/fleet.py."""
+    return f"llmq:held:{worker}"
 
 
 def parked_tenants_key(model: str) -> str:
