@@ -4,6 +4,9 @@ serves), the sweep (a dead worker's work taken over) and the autoscaler; written
 heartbeats and by `llmq autoscale`. Redis-only: no Celery, no Flask, no torch.
 
 A worker's heartbeat (a JSON object under `llmq:workers`, by worker name) says:
+  instance              this run of the worker (its name and a token): what its leases and its held
+                        work (llmq:held:{instance}) name, so a worker restarted under the same name
+                        is never taken for the run that died
   model, state          the model it serves; "starting" (loading its engine), "ready", "draining"
                         (stopping: it hands its work back and takes none)
   at, started_at, ready_at, pid, host
@@ -64,6 +67,13 @@ def live_workers(client: redis.Redis, stale_after: float, model: str | None = No
     now = time.time() if now is None else now
     return [{"name": name, **beat} for name, beat in sorted(heartbeats(client).items())
             if is_alive(beat, now, stale_after) and (model is None or beat.get("model") == model)]
+
+
+def live_instances(client: redis.Redis, stale_after: float, now: float | None = None) -> set[str]:
+    """The `instance` of every worker whose heartbeat is fresh."""
+    now = time.time() if now is None else now
+    return {beat["instance"] for beat in heartbeats(client).values()
+            if "instance" in beat and is_alive(beat, now, stale_after)}
 
 
 def queue_depth(client: redis.Redis, model: str) -> dict[int, int]:

@@ -152,12 +152,12 @@ class LocalStack:
         self._start_gunicorn(port)
 
     def wait_for_workers(self, count: int, timeout: float = 180.0) -> list[dict]:
-        """Until `count` workers send heartbeats (the engine is loaded and warm by then)."""
+        """Until `count` workers report ready (their engines loaded and warm)."""
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             fresh = [json.loads(v) for v in client.hgetall(WORKERS_KEY).values()]
-            fresh = [b for b in fresh if time.time() - b["at"] < 10]
+            fresh = [b for b in fresh if time.time() - b["at"] < 10 and b.get("state") == "ready"]
             if len(fresh) >= count:
                 return fresh
             dead = [p for p in self.workers.values() if p.poll() is not None]

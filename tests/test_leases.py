@@ -66,18 +66,32 @@ def test_renewal_keeps_a_lease_alive_and_restores_a_lost_key(client):
     a.release("r4")
 
 
-def test_acquire_when_free_waits_for_the_owner_and_gives_up_when_it_finished(client):
-    a, b = Leases(client, "a", ttl_s=5), Leases(client, "b", ttl_s=5)
+def test_a_request_leased_by_a_live_worker_is_skipped_and_a_dead_ones_is_taken_over(client):
+    a, b = Leases(client, "a", ttl_s=0.3), Leases(client, "b", ttl_s=5)
     assert a.acquire("r5")
-    threading.Timer(0.3, a.release, args=("r5",)).start()
     started = time.monotonic()
-    assert b.acquire_when_free("r5", finished=lambda: False, poll_s=0.05)
+    assert not b.acquire_unless_alive("r5", finished=lambda: False, alive={"a"}.__contains__, poll_s=0.05)
+    assert time.monotonic() - started < 0.2, "a live holder's request is skipped at once"
+    assert client.get(lease_key("r5")) == b"a"
+    # "a" stopped sending heartbeats: its lease lapses within its ttl, and then "b" has the request.
+    assert b.acquire_unless_alive("r5", finished=lambda: False, alive=set().__contains__, poll_s=0.05)
     assert time.monotonic() - started >= 0.25
+    assert client.get(lease_key("r5")) == b"b"
     b.release("r5")
 
+
+def test_taking_over_gives_up_when_the_request_finished_meanwhile(client):
+    a, b = Leases(client, "a", ttl_s=5), Leases(client, "b", ttl_s=5)
     assert a.acquire("r6")
     done = threading.Event()
     threading.Timer(0.2, done.set).start()
-    assert not b.acquire_when_free("r6", finished=done.is_set, poll_s=0.05)
+    assert not b.acquire_unless_alive("r6", finished=done.is_set, alive=set().__contains__, poll_s=0.05)
     assert client.get(lease_key("r6")) == b"a"
     a.release("r6")
+
+
+def test_a_second_delivery_in_the_process_that_runs_the_request_is_skipped(client):
+    a = Leases(client, "a", ttl_s=5)
+    assert a.acquire("r7")
+    assert not a.acquire_unless_alive("r7", finished=lambda: False, alive=set().__contains__, poll_s=0.05)
+    a.release("r7")

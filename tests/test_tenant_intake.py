@@ -11,7 +11,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.tenant_intake import ParkedWork, TenantIntake
+from workers.tenant_intake import TenantIntake
+from workers.work import Work
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +55,17 @@ class Holder:
 
 def test_a_tenant_at_its_limit_is_parked_and_others_still_run(client, sent):
     intake = make_intake(client, sent)
-    a1, a2 = (Holder(intake, "a", ParkedWork("llmq.complete", f"a{i}")) for i in (1, 2))
+    a1, a2 = (Holder(intake, "a", Work("llmq.complete", f"a{i}")) for i in (1, 2))
     assert a1.admitted and a2.admitted
-    with intake.turn("a", ParkedWork("llmq.complete", "a3")) as now:
+    with intake.turn("a", Work("llmq.complete", "a3")) as now:
         assert now is False
-    with intake.turn("b", ParkedWork("llmq.complete", "b1")) as now:
+    with intake.turn("b", Work("llmq.complete", "b1")) as now:
         assert now is True
         assert intake.in_flight() == {"a": 2, "b": 1}
     assert intake.parked() == {"a": 1}
     assert sent == []  # b's end frees a thread, but a is still at its limit
     a1.end()
-    assert sent == [ParkedWork("llmq.complete", "a3")]
+    assert sent == [Work("llmq.complete", "a3")]
     assert intake.parked() == {}
     a2.end()
     assert intake.in_flight() == {}
@@ -72,25 +73,25 @@ def test_a_tenant_at_its_limit_is_parked_and_others_still_run(client, sent):
 
 def test_parked_work_goes_back_api_requests_first_then_oldest_first(client, sent):
     intake = make_intake(client, sent, threads=8, tenant_threads=1)
-    holder = Holder(intake, "a", ParkedWork("llmq.complete", "first"))
-    works = [ParkedWork("llmq.run_batch_item", 1, 6), ParkedWork("llmq.complete", "api-1"),
-             ParkedWork("llmq.run_batch_item", 2, 6), ParkedWork("llmq.complete", "api-2")]
+    holder = Holder(intake, "a", Work("llmq.complete", "first"))
+    works = [Work("llmq.run_batch_item", 1, 6), Work("llmq.complete", "api-1"),
+             Work("llmq.run_batch_item", 2, 6), Work("llmq.complete", "api-2")]
     for work in works:
         with intake.turn("a", work) as now:
             assert not now
     holder.end()
     for _ in range(3):
-        with intake.turn("a", ParkedWork("llmq.complete", "again")):
+        with intake.turn("a", Work("llmq.complete", "again")):
             pass  # each end sends one more
     assert [w.arg for w in sent] == ["api-1", "api-2", 1, 2]
-    assert sent[2] == ParkedWork("llmq.run_batch_item", 1, 6)
+    assert sent[2] == Work("llmq.run_batch_item", 1, 6)
 
 
 def test_a_batchs_lines_go_back_in_the_order_parked(client, sent):
     intake = make_intake(client, sent, threads=100, tenant_threads=100)
     order = [10, 9, 100, 1, 55, 54, 1000, 2]  # not the order of their encodings
-    intake.park("a", *(ParkedWork("llmq.run_batch_item", i, 6) for i in order[:4]))
-    intake.park("a", *(ParkedWork("llmq.run_batch_item", i, 6) for i in order[4:]))
+    intake.park("a", *(Work("llmq.run_batch_item", i, 6) for i in order[:4]))
+    intake.park("a", *(Work("llmq.run_batch_item", i, 6) for i in order[4:]))
     assert intake.resume(limit=100) == len(order)
     assert [w.arg for w in sent] == order
 
@@ -98,10 +99,10 @@ def test_a_batchs_lines_go_back_in_the_order_parked(client, sent):
 def test_the_tenant_with_fewest_threads_for_its_weight_goes_first(client, sent):
     intake = make_intake(client, sent, threads=10, tenant_threads=3, weights={"heavy": 4.0})
     for tenant in ("heavy", "light"):
-        intake.park(tenant, ParkedWork("llmq.complete", f"{tenant}-1"))
-        intake.park(tenant, ParkedWork("llmq.complete", f"{tenant}-2"))
-    holders = [Holder(intake, "heavy", ParkedWork("llmq.complete", "h")),
-               Holder(intake, "light", ParkedWork("llmq.complete", "l"))]
+        intake.park(tenant, Work("llmq.complete", f"{tenant}-1"))
+        intake.park(tenant, Work("llmq.complete", f"{tenant}-2"))
+    holders = [Holder(intake, "heavy", Work("llmq.complete", "h")),
+               Holder(intake, "light", Work("llmq.complete", "l"))]
     # Each holds 1 thread: 1/4 for heavy, 1/1 for light. Heavy's go first (3/4 after both is still under 1).
     assert intake.resume(limit=4) == 4
     assert [w.arg for w in sent] == ["heavy-1", "heavy-2", "light-1", "light-2"]
@@ -112,8 +113,8 @@ def test_the_tenant_with_fewest_threads_for_its_weight_goes_first(client, sent):
 def test_idle_threads_take_parked_work_up_to_each_tenants_limit(client, sent):
     intake = make_intake(client, sent, threads=3, tenant_threads=2)
     for i in range(5):
-        intake.park("a", ParkedWork("llmq.complete", f"a{i}"))
-    intake.park("b", ParkedWork("llmq.complete", "b0"))
+        intake.park("a", Work("llmq.complete", f"a{i}"))
+    intake.park("b", Work("llmq.complete", "b0"))
     assert intake.resume_idle() == 3  # 3 idle threads; a may take 2 of them
     assert sorted(w.arg for w in sent) == ["a0", "a1", "b0"]
     assert intake.parked() == {"a": 3}
@@ -122,8 +123,8 @@ def test_idle_threads_take_parked_work_up_to_each_tenants_limit(client, sent):
 def test_redis_away_runs_the_work_rather_than_lose_it(sent):
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     intake = make_intake(dead, sent, threads=2, tenant_threads=1)
-    holder = Holder(intake, "a", ParkedWork("llmq.complete", "a1"))
-    with intake.turn("a", ParkedWork("llmq.complete", "a2")) as now:
+    holder = Holder(intake, "a", Work("llmq.complete", "a1"))
+    with intake.turn("a", Work("llmq.complete", "a2")) as now:
         assert now is True  # nowhere to park it
     holder.end()
     assert intake.resume_idle() == 0 and intake.in_flight() == {}
@@ -134,6 +135,6 @@ def test_work_that_cannot_be_sent_stays_parked(client):
         raise ConnectionError("broker away")
 
     intake = TenantIntake(client, f"m-{uuid.uuid4().hex[:8]}", 4, 2, lambda t: 1.0, broker_down)
-    intake.park("a", ParkedWork("llmq.complete", "a1"))
+    intake.park("a", Work("llmq.complete", "a1"))
     assert intake.resume_idle() == 0
     assert intake.parked() == {"a": 1}

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -30,11 +32,15 @@ from llmq.redis_client import redis_client
 from llmq.settings import queue_name
 from llmq.store.database import Database
 from workers import background
+from workers.background import Heartbeat
+from workers.capacity import CapacityGate
 from workers.engine_client import EngineClient
+from workers.held_work import HeldWork
 from workers.leases import Leases
 from workers.publisher import StreamPublisher
 from workers.runtime import WorkerRuntime
-from workers.tenant_intake import ParkedWork, TenantIntake
+from workers.tenant_intake import TenantIntake
+from workers.work import Work
 
 # llmq's own loggers (the engine's memory budget, resumed requests, the loop's progress) at INFO:
 # Celery leaves the root logger alone (worker_hijack_root_logger is off), and the engine process
@@ -45,18 +51,26 @@ celery_app = Celery("llmq")
 celery_app.config_from_object(celery_config(settings))
 celery_app.conf.update(worker_pool="threads", worker_concurrency=settings.resolved_worker_threads())
 celery_app.runtime = None  # a WorkerRuntime once the worker has started (start_engine)
+celery_app.steps["consumer"].add(CapacityGate)  # takes tasks only as the engine has room (workers/capacity.py)
 
 import workers.tasks  # noqa: E402,F401  (registers the tasks)
 
 log = logging.getLogger(__name__)
 _stop = threading.Event()
+_STARTED_AT = time.time()  # the process start, as near as this module can tell: heartbeats report it
+_heartbeat: Heartbeat | None = None
 
 
 @worker_init.connect
 def start_engine(sender=None, **_):
     """Load the model, warm it up, and start the engine loop, heartbeats, sweeper and cancel listener."""
+    global _heartbeat
     client = redis_client(settings.redis_url, settings.redis_retry_seconds)
     publisher = StreamPublisher(client, settings.stream_maxlen, settings.stream_ttl)
+    name = getattr(sender, "hostname", None) or "worker"
+    instance = f"{name}:{secrets.token_hex(4)}"  # this run: a restart under the same name is another
+    _heartbeat = Heartbeat(client, settings, name, instance, _STARTED_AT)
+    background.start_heartbeats(_heartbeat, _stop)  # "starting", while the model loads
     try:
         engine = _engine_client(publisher)
         engine.start()
@@ -64,23 +78,27 @@ def start_engine(sender=None, **_):
         # Celery logs what a worker_init handler raises and starts consuming anyway: a worker with no
         # engine would take tasks it cannot run. SystemExit is not caught there: the worker exits.
         log.critical("the engine could not start; this worker exits", exc_info=True)
+        _stop.set()  # its "starting" heartbeat goes with it
         raise SystemExit(1) from None
-    name = getattr(sender, "hostname", None) or "worker"
     model_name = settings.resolved_model_name()
     intake = TenantIntake(client, model_name, settings.resolved_worker_threads(), settings.resolved_tenant_threads(),
                           settings.tenant_weight, partial(_send_parked, queue_name(model_name)))
     runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
                             publisher=publisher, engine=engine,
                             model=ServedModel.of_settings(settings),
-                            leases=Leases(client, name, settings.lease_seconds), intake=intake, name=name,
+                            leases=Leases(client, instance, settings.lease_seconds), intake=intake, name=name,
+                            instance=instance, held=HeldWork(client, instance, queue_name(model_name)),
                             background=ThreadPoolExecutor(2, thread_name_prefix="llmq-bookkeeping"))
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)
-    log.info("worker %s serving %s from %s (quantization %s)", name, settings.resolved_model_name(), settings.model_path,
-             settings.quantization or "none")
+    _heartbeat.ready_at = time.time()
+    _heartbeat.runtime = runtime
+    log.info("worker %s serving %s from %s (quantization %s); ready %.1f s after its process started", name,
+             settings.resolved_model_name(), settings.model_path, settings.quantization or "none",
+             _heartbeat.ready_at - _STARTED_AT)
 
 
-def _send_parked(queue: str, work: ParkedWork) -> None:
+def _send_parked(queue: str, work: Work) -> None:
     celery_app.send_task(work.task, args=[work.arg], queue=queue, priority=work.priority)
 
 
@@ -106,6 +124,11 @@ def hand_back_work(sig=None, **_):
     log.warning("worker stopping (%s): handing its requests back to the queue", sig)
     if celery_app.runtime is None:  # stopped before the engine was up
         return
+    _heartbeat.draining = True
+    try:
+        _heartbeat.send()  # at once: the fleet sends it nothing more
+    except Exception as err:
+        log.warning("could not report draining: %s", err)
     celery_app.runtime.engine.hand_back()
     grace = settings.shutdown_grace_seconds
     watchdog = threading.Timer(grace, _exit_after_grace, args=(grace,))

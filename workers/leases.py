@@ -1,10 +1,11 @@
 """Leases: at most one worker runs a request at a time, even when the broker delivers its task twice.
 
-Redis redelivers a task that is still unacknowledged after the visibility timeout: its worker died,
-or it is merely still running. The lease (`llmq:lease:{id}`, the owner's name, expiring after
-`ttl_s` unless the owner renews it with its heartbeats) tells the two apart: a second delivery waits
-while the lease is alive and takes the request over once it lapses, resuming from the request's
-checkpoint. A dead worker stops renewing, so its requests are taken over `ttl_s` after it died.
+A task can be delivered twice: Redis redelivers one still unacknowledged after the visibility timeout
+(its worker died, or it is merely still running), and the sweep sends a dead worker's held work
+again (workers/held_work.py). The lease (`llmq:lease:{id}`, the owner's name, expiring after `ttl_s`
+unless the owner renews it with its heartbeats) and the owner's heartbeats tell the cases apart: a
+delivery whose request is leased by a live worker is skipped; one leased by a worker whose heartbeats
+stopped takes the request over once the lease lapses, resuming from the request's checkpoint.
 """
 from __future__ import annotations
 
@@ -56,15 +57,26 @@ class Leases:
                     self._in_process.discard(request_id)
         return acquired
 
-    def acquire_when_free(self, request_id: str, finished: Callable[[], bool], poll_s: float = 0.5) -> bool:
-        """Wait for the lease; False if the request finishes meanwhile (another worker ran it)."""
+    def acquire_unless_alive(self, request_id: str, finished: Callable[[], bool], alive: Callable[[str], bool],
+                             poll_s: float = 0.5) -> bool:
+        """Take the lease, unless the worker holding it is alive (`alive(name)`: its heartbeats are
+        fresh): then it is running the request, its held work names it should it die, and this
+        delivery is a duplicate (False). A dead holder's lease lapses within its ttl: wait for that.
+        False too if the request finishes meanwhile."""
         waited = False
         while not self.acquire(request_id):
+            holder = self.client.get(lease_key(request_id))
+            if holder is None:  # released or lapsed since: try again
+                continue
+            holder = holder.decode() if isinstance(holder, bytes) else holder
             if finished():
                 return False
+            if holder == self.owner or alive(holder):
+                log.info("request %s is running on %s; this delivery of it is skipped", request_id, holder)
+                return False
             if not waited:
-                log.info("request %s is running on %s; waiting for it to finish or its lease to lapse",
-                         request_id, self.client.get(lease_key(request_id)))
+                log.info("request %s was running on %s, which is gone; taking it over once its lease lapses",
+                         request_id, holder)
                 waited = True
             time.sleep(poll_s)
         return not finished()

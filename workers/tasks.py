@@ -1,10 +1,12 @@
 """Celery tasks: thin, they take ids and call the engine and the batch bookkeeping with the worker's
 runtime (workers/runtime.py), which their task class hands them.
 
-Every task is safe to run twice (late acknowledgement redelivers a crashed worker's tasks): the
-database says what is already done, the request's lease (workers/leases.py) keeps a second delivery
-from running it while the first still does, and the request's stream is its checkpoint, so a
-request taken over from a dead or stopping worker goes on from the tokens it had already streamed.
+Every task is safe to run twice (the sweep sends a dead worker's held work again, and late
+acknowledgement redelivers it too, later): the database says what is already done, the request's
+lease (workers/leases.py) keeps a second delivery from running it while a live worker does, and the
+request's stream is its checkpoint, so a request taken over from a dead or stopping worker goes on
+from the tokens it had already streamed. Each task is in its worker's held work while it runs
+(workers/held_work.py).
 A worker that is stopping hands its requests back: the task is rejected and requeued. A tenant
 holding its share of the worker's threads has its task's work parked for later (returns "parked",
 see workers/tenant_intake.py), so the other tenants' tasks find a thread.
@@ -41,7 +43,7 @@ from llmq.streams import is_cancelled, read_progress
 from workers.completion_runner import execute
 from workers.messages import EngineFailure, EngineResult, HandedBack, StreamWriteFailure
 from workers.runtime import WorkerRuntime
-from workers.tenant_intake import ParkedWork
+from workers.work import Work
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +62,31 @@ class RuntimeTask(Task):
             raise RuntimeError("no engine in this process: tasks run in an llmq worker (see workers/celery_app.py)")
         return runtime
 
+    def holding(self, arg: str | int):
+        """This delivery, in the worker's held work while it runs (workers/held_work.py)."""
+        priority = (self.request.delivery_info or {}).get("priority") or 0
+        return self.runtime.held.holding(Work(self.name, arg, priority))
+
 
 @shared_task(name="llmq.complete", bind=True, base=RuntimeTask)
 def complete(self: RuntimeTask, request_id: str) -> str:
     """Run one API request (completion or chat) and store its result."""
-    return complete_request(self.runtime, request_id)
+    with self.holding(request_id):
+        return complete_request(self.runtime, request_id)
 
 
 @shared_task(name="llmq.run_batch", bind=True, base=RuntimeTask)
 def run_batch(self: RuntimeTask, batch_id: str) -> int:
     """Validate a batch's input file and fan its lines out as one task each."""
-    return expand_batch(self.runtime, batch_id)
+    with self.holding(batch_id):
+        return expand_batch(self.runtime, batch_id)
 
 
 @shared_task(name="llmq.run_batch_item", bind=True, base=RuntimeTask)
 def run_batch_item(self: RuntimeTask, item_id: int) -> str:
     """One line of a batch: run it, then write its result and the batch's counts in one transaction."""
-    return run_item(self.runtime, item_id)
+    with self.holding(item_id):
+        return run_item(self.runtime, item_id)
 
 
 # ---- API requests ------------------------------------------------------------------------------
@@ -90,10 +100,11 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
         created, tenant = int(request.created_at), request.tenant
     if is_cancelled(runtime.redis, request_id):
         return _cancel_before_start(runtime, request_id)
-    with runtime.intake.turn(tenant, ParkedWork("llmq.complete", request_id)) as now:
+    with runtime.intake.turn(tenant, Work("llmq.complete", request_id)) as now:
         if not now:
             return "parked"
-        if not runtime.leases.acquire_when_free(request_id, lambda: _request_finished(runtime, request_id)):
+        if not runtime.leases.acquire_unless_alive(request_id, lambda: _request_finished(runtime, request_id),
+                                                   runtime.is_alive):
             return "skipped"
         try:
             return _complete_leased(runtime, request_id, _prepared(runtime, kind, body, prepared), model, created,
@@ -199,7 +210,7 @@ def _queue_lines(runtime: WorkerRuntime, tenant: str, queue: str, item_ids: list
     """A batch's lines wait for their tenant's turn parked, in order, and go to the broker as the
     workers have threads for them (workers/tenant_intake.py): sent all at once, a large batch's lines
     would each take a thread only to be parked, in front of every other tenant's work."""
-    works = [ParkedWork("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY) for item_id in item_ids]
+    works = [Work("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY) for item_id in item_ids]
     try:
         for start in range(0, len(works), 1000):
             runtime.intake.park(tenant, *works[start:start + 1000])
@@ -223,11 +234,12 @@ def run_item(runtime: WorkerRuntime, item_id: int) -> str:
         line = _BatchLine(item_id, batch.id, batch.tenant, item.request_id, item.custom_id, item.line, batch.model,
                           CHAT if batch.endpoint.endswith("/chat/completions") else COMPLETION, item.body,
                           item.prepared)
-    work = ParkedWork("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY)
+    work = Work("llmq.run_batch_item", item_id, batch_lifecycle.BATCH_BROKER_PRIORITY)
     with runtime.intake.turn(line.tenant, work) as now:
         if not now:
             return "parked"  # claimed (running, in the database), to run when its tenant has a thread
-        if not runtime.leases.acquire_when_free(line.request_id, lambda: _item_finished(runtime, item_id)):
+        if not runtime.leases.acquire_unless_alive(line.request_id, lambda: _item_finished(runtime, item_id),
+                                                   runtime.is_alive):
             return "skipped"
         try:
             return _run_item_leased(runtime, line)

@@ -22,12 +22,11 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-import orjson
 import redis
 
 from llmq.events import parked_count_key, parked_key, parked_tenants_key
+from workers.work import Work
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +53,6 @@ return work[1]
 """
 
 
-@dataclass(frozen=True)
-class ParkedWork:
-    """A task to send again: its name, its one argument, and its broker priority."""
-
-    task: str
-    arg: str | int
-    priority: int = 0
-
-    def encode(self) -> bytes:
-        return orjson.dumps([self.task, self.arg, self.priority])
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "ParkedWork":
-        task, arg, priority = orjson.loads(raw)
-        return cls(task, arg, priority)
-
-
 def _parked_tenants(client: redis.Redis, model: str) -> list[str]:
     return [t.decode() for t in client.smembers(parked_tenants_key(model))]
 
@@ -81,13 +63,13 @@ def parked_works(client: redis.Redis, model: str) -> set[tuple[str, str]]:
     pipe = client.pipeline(transaction=False)
     for tenant in tenants:
         pipe.zrange(parked_key(model, tenant), 0, -1)
-    works = (ParkedWork.decode(raw) for members in pipe.execute() for raw in members)
+    works = (Work.decode(raw) for members in pipe.execute() for raw in members)
     return {(work.task, str(work.arg)) for work in works}
 
 
 class TenantIntake:
     def __init__(self, client: redis.Redis, model: str, threads: int, tenant_threads: int,
-                 weight: Callable[[str], float], send: Callable[[ParkedWork], None]):
+                 weight: Callable[[str], float], send: Callable[[Work], None]):
         self.client, self.model = client, model
         self.threads, self.tenant_threads = threads, tenant_threads
         self.weight, self.send = weight, send
@@ -97,7 +79,7 @@ class TenantIntake:
         self._park = client.register_script(_PARK)
 
     @contextmanager
-    def turn(self, tenant: str, work: ParkedWork) -> Iterator[bool]:
+    def turn(self, tenant: str, work: Work) -> Iterator[bool]:
         """True: run `work` now, in this thread (it counts against the tenant until the block ends,
         and then the next parked work is sent). False: the tenant is at its limit and `work` is parked."""
         if not self._enter(tenant):
@@ -123,7 +105,7 @@ class TenantIntake:
         with self._lock:
             return dict(self._in_flight)
 
-    def park(self, tenant: str, *works: ParkedWork) -> None:
+    def park(self, tenant: str, *works: Work) -> None:
         """Park works of the tenant's, after all it has parked (a batch's lines in one round trip)."""
         if not works:
             return
@@ -162,7 +144,7 @@ class TenantIntake:
                 if raw is None:  # nothing left (another worker took the rest)
                     parked.discard(tenant)
                     continue
-                work = ParkedWork.decode(raw)
+                work = Work.decode(raw)
                 try:
                     self.send(work)
                 except Exception:

@@ -16,7 +16,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import defer
 
 from app import limits
-from app.api.common import db, enqueue, json_body, owned, owns, redis_client, served_model, settings
+from app.api.common import check_served, db, enqueue, json_body, owned, owns, redis_client, served_model, settings
 from app.auth import current_tenant
 from app.errors import APIError
 from app.serializers import batch_object
@@ -56,6 +56,7 @@ def create_batch():
     window, window_seconds = _completion_window(body.get("completion_window"))
     metadata = _metadata(body.get("metadata"))
     model = served_model()
+    check_served(model)
     caller = limits.current_limits()  # the batch keeps its creating key's limits for its lines
     with db().session() as session:
         file = session.get(File, input_file_id, options=[defer(File.content)])

@@ -12,6 +12,7 @@ from app.auth import current_tenant
 from app.errors import APIError, excerpt, not_found
 from app.services import services
 from app.stream_hub import StreamHub
+from llmq import fleet
 from llmq.model.tokenizer import Tokenizer
 from llmq.protocol.openai import check_text
 from llmq.settings import Settings, queue_name
@@ -58,6 +59,20 @@ def check_model(model: Any, required: bool = True) -> str:
         raise APIError(404, f"The model '{excerpt(model)}' does not exist; this server serves '{served}'",
                        param="model", code="model_not_found")
     return served
+
+
+def heartbeat_stale_after() -> float:
+    """How old a worker's heartbeat may be before the web counts it gone (a few missed beats)."""
+    return 3 * settings().heartbeat_seconds + 5
+
+
+def check_served(model: str) -> None:
+    """503 in the OpenAI shape if no worker serves `model` (or is starting to) and no autoscaler can
+    start one: the request would wait in the queue for ever."""
+    if not fleet.is_served(redis_client(), model, heartbeat_stale_after()):
+        raise APIError(503, f"no worker serves the model '{model}' and no autoscaler can start one: start a worker "
+                            "(celery -A workers.celery_app worker) or the autoscaler (llmq autoscale), then try again",
+                       param="model", code="model_not_served")
 
 
 def json_body() -> dict:

@@ -57,6 +57,7 @@ def submit(kind: str, body: dict) -> Submitted:
     enqueue its task. Raises APIError or InvalidRequest (both answered in the OpenAI error shape);
     nothing is stored or queued for a body that is refused."""
     model = common.check_model(body.get("model"))
+    common.check_served(model)
     web = services()
     prepared = prepare(kind, body, web.tokenizer, web.model)
     params = prepared.params

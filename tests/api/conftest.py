@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from app.api import common
+from llmq import fleet
 from llmq.streams import publish_events
 
 # ---- a stand-in for the worker: the web tier's tests run without one ------------------------------
@@ -34,6 +35,14 @@ class StandInWorker:
         for event in events:
             time.sleep(delay)
             publish_events(self.r, request_id, [event], maxlen=1000, ttl=60)
+
+
+@pytest.fixture(autouse=True)
+def a_worker_serves_every_model(monkeypatch):
+    """The web tier's tests run with no worker, so no heartbeat says one serves their model: they
+    would get 503 model_not_served. That check is tested against real heartbeats in
+    tests/test_model_served.py."""
+    monkeypatch.setattr(fleet, "is_served", lambda client, model, stale_after: True)
 
 
 @pytest.fixture

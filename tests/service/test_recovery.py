@@ -53,9 +53,9 @@ def fault_stack(served_model_dir, tmp_path, workers: int = 2, **env) -> LocalSta
                       start_redis=True, workers=workers, log_dir=tmp_path, web="gunicorn")
 
 
-def start_batch(api: httpx.Client, prompts=PROMPTS, window: str = "24h") -> str:
+def start_batch(api: httpx.Client, prompts=PROMPTS, window: str = "24h", max_tokens: int = MAX_TOKENS) -> str:
     lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": MODEL_NAME, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "body": {"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                                   "ignore_eos": True}}) for i, p in enumerate(prompts)]
     upload = api.post("/v1/files", files={"file": ("in.jsonl", "\n".join(lines).encode())}, data={"purpose": "batch"})
     assert upload.status_code == 200, upload.text
@@ -76,17 +76,18 @@ def file_lines(api: httpx.Client, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in api.get(f"/v1/files/{file_id}/content").text.splitlines()]
 
 
-def assert_every_line_once_and_equal_to_offline(api: httpx.Client, batch: dict, offline: dict) -> list[dict]:
+def assert_every_line_once_and_equal_to_offline(api: httpx.Client, batch: dict, offline: dict,
+                                                prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": len(PROMPTS), "completed": len(PROMPTS), "failed": 0}
+    assert batch["request_counts"] == {"total": len(prompts), "completed": len(prompts), "failed": 0}
     rows = file_lines(api, batch["output_file_id"])
     custom_ids = [row["custom_id"] for row in rows]
-    assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(len(PROMPTS))), "a line is missing or twice"
+    assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(len(prompts))), "a line is missing or twice"
     for row in rows:
-        prompt = PROMPTS[int(row["custom_id"].split("-")[1])]
+        prompt = prompts[int(row["custom_id"].split("-")[1])]
         body = row["response"]["body"]
         assert body["choices"][0]["text"] == offline[prompt], f"{row['custom_id']} differs from the offline run"
-        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        assert body["usage"]["completion_tokens"] == max_tokens
     return rows
 
 
@@ -99,9 +100,10 @@ def assert_streams_hold_each_token_once(stack: LocalStack, rows: list[dict]) -> 
         assert progress.choices[0].text == row["response"]["body"]["choices"][0]["text"]
 
 
-def assert_batch_came_through(api: httpx.Client, stack: LocalStack, batch_id: str, offline: dict) -> None:
+def assert_batch_came_through(api: httpx.Client, stack: LocalStack, batch_id: str, offline: dict,
+                              prompts: list[str] = PROMPTS, timeout: float = 240) -> None:
     """The batch ends completed, every line once, as the offline engine writes it, no token twice."""
-    rows = assert_every_line_once_and_equal_to_offline(api, wait_for_end(api, batch_id), offline)
+    rows = assert_every_line_once_and_equal_to_offline(api, wait_for_end(api, batch_id, timeout), offline, prompts)
     assert_streams_hold_each_token_once(stack, rows)
 
 
