@@ -12,6 +12,7 @@ import time
 import httpx
 import redis
 
+from llmq import fleet
 from llmq.engine.llm import LLM
 from llmq.events import lease_key, stream_key
 from llmq.sampling_params import SamplingParams
@@ -19,6 +20,7 @@ from llmq.settings import Settings
 from stack.local import LocalStack
 from tests.service.conftest import MODEL_NAME, wait_until
 from tests.service.test_recovery import PROMPTS, assert_batch_came_through, log_of, start_batch
+from workers.capacity import headroom
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}  # as a new user has them
 FORTY = [f"{p} {k}" for k in ("", "and", "so") for p in PROMPTS][:40]
@@ -89,3 +91,25 @@ def test_a_worker_that_joins_mid_batch_runs_a_fair_share_of_what_remains(served_
         print(f"\nthe worker that joined with {remaining} of {len(lines)} lines left ran {100 * share:.0f} % of them "
               f"({beats['w1']['tokens']} of {remaining * max_tokens} tokens)")
         assert share >= 0.4
+
+
+def test_a_worker_holds_only_what_its_engine_can_run_soon_and_the_rest_waits_in_the_queue(served_model_dir, tmp_path):
+    # Threads to spare, for one tenant too: only the capacity gate keeps the worker from taking every line.
+    with default_stack(served_model_dir, tmp_path, workers=1, LLMQ_MAX_NUM_SEQS="2", LLMQ_WORKER_THREADS="32",
+                       LLMQ_TENANT_THREADS="32", LLMQ_HEARTBEAT_SECONDS="1") as stack, \
+            httpx.Client(base_url=stack.base_url, timeout=60) as api:
+        client = redis.Redis.from_url(stack.redis_url)
+        batch_id = start_batch(api, PROMPTS, max_tokens=48)
+        limit = 2 + headroom(2)
+        seen = []
+
+        def sample() -> bool:
+            beat = api.get("/v1/workers").json()["data"][0]
+            seen.append((beat.get("held", 0), sum(fleet.queue_depth(client, MODEL_NAME).values())))
+            return api.get(f"/v1/batches/{batch_id}").json()["status"] == "completed"
+
+        wait_until(sample, timeout=300, interval=0.3)
+        held = [h for h, _ in seen]
+        print(f"\nheld at most {max(held)} tasks (limit {limit}); queue depth up to {max(q for _, q in seen)}")
+        assert max(held) <= limit, seen
+        assert max(held) >= 2 and any(q >= len(PROMPTS) - limit for _, q in seen), seen
