@@ -42,6 +42,16 @@ class Span:
         return self.count * ((self.end - a) ** 2 - (self.end - b) ** 2) / (2 * length)
 
 
+def spans_of(requests: list[tuple[float, float | None]], batches: list[tuple[float, float | None, int]],
+             now: float) -> list[Span]:
+    """Spans from the stays llmq.store.arrivals reads: an API request's (arrived, finished), a batch's
+    (started, ended, lines); what has not ended stays until `now`."""
+    spans = [Span(arrived, finished if finished is not None else now) for arrived, finished in requests]
+    spans += [Span(started, ended if ended is not None else now, lines, drains=True)
+              for started, ended, lines in batches if lines]
+    return spans
+
+
 def hourly_demand(spans: list[Span], since: float, until: float, tz: tzinfo | None = None) -> list[tuple[int, float]]:
     """(hour of the week, mean requests in the system) for every whole local hour from `since`
     (rounded up to the hour) to `until`, oldest first."""
