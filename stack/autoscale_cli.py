@@ -131,7 +131,7 @@ def _replay(args, settings, config) -> int:
     if args.plot:
         title = (f"{trace.name}: {policy.min_workers}-{policy.max_workers} workers, {policy.target_ongoing} per "
                  f"worker, delays {policy.upscale_delay_s:g} s / {policy.downscale_delay_s:g} s, start-up "
-                 f"{fleet_model.startup_s:g} s")
+                 f"{fleet_model.startup_s:g} s" + (f"\nkept warm: {profile.describe()}" if profile else ""))
         print(f"plot: {plot_replay(result, args.plot, title=title)}")
     return 0
 

@@ -2,7 +2,11 @@
 exactly, tick by tick; the traces it reads (llmq/autoscale/trace.py); and the picture it draws."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from llmq.autoscale.profile import parse_profile
 from llmq.autoscale.replay import FleetModel, Sample, SimulatedFleet, replay
 from llmq.autoscale.trace import SYNTHETIC_BATCH, Trace, read_trace, synthetic_trace, trace_of_times
 
+REPO = Path(__file__).resolve().parents[1]
 CONFIG = PolicyConfig(min_workers=1, max_workers=3, target_ongoing=4, upscale_delay_s=1, downscale_delay_s=10,
                       rate_half_life_s=1)
 # One worker holds 4 requests and finishes 1 a second when full: a request takes 4 s.
@@ -122,3 +127,31 @@ def test_the_plot_is_a_png(tmp_path):
     path = plot_replay(result, tmp_path / "fleet.png", title="a burst")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert "16 arrivals over 27 s: peak 3 workers" in result.summary()
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def _llmq(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "stack.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_llmq_autoscale_replays_a_trace_file_and_plots_it(tmp_path):
+    trace = tmp_path / "burst.csv"
+    trace.write_text("time,count\n0,16\n")
+    done = _llmq("autoscale", "--replay", str(trace), "--plot", str(tmp_path / "fleet.png"), "--startup", "2",
+                 "--throughput", "1", "--min-workers", "1", "--max-workers", "3", "--upscale-delay", "1",
+                 "--downscale-delay", "10", env={"LLMQ_HOME": str(tmp_path), "LLMQ_MAX_NUM_SEQS": "4",
+                                                 "LLMQ_AUTOSCALE_TICK_SECONDS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "replay of burst.csv" in done.stdout and "16 arrivals over 27 s: peak 3 workers" in done.stdout
+    assert (tmp_path / "fleet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_llmq_autoscale_refuses_a_bad_setting_before_it_starts_anything(tmp_path):
+    done = _llmq("autoscale", env={"LLMQ_HOME": str(tmp_path), "LLMQ_AUTOSCALE_MIN": "2", "LLMQ_AUTOSCALE_MAX": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "LLMQ_AUTOSCALE_MAX is 1: it must be at least 1 and at least LLMQ_AUTOSCALE_MIN (2)" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no Redis, no model made
+    bad = _llmq("autoscale", env={"LLMQ_HOME": str(tmp_path), "LLMQ_AUTOSCALE_PROFILE": "weekdays 9-5=2"})
+    assert bad.returncode == 2 and "'weekdays' is not a day" in bad.stderr
