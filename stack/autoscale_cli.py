@@ -142,6 +142,8 @@ def _trace(args, settings):
     if args.replay == "synthetic":
         return synthetic_trace(args.seed)
     if args.replay == "database":
+        from sqlalchemy.exc import SQLAlchemyError
+
         from llmq.store.arrivals import arrival_times
         from llmq.store.database import Database
 
@@ -150,8 +152,13 @@ def _trace(args, settings):
         model = settings.model_name or (Path(settings.model_path).name if settings.model_path else None)
         if model is None:
             raise ValueError("--replay database needs the model: set MODEL_NAME (or MODEL_PATH)")
-        with Database(settings.database_url).read() as session:
-            times = arrival_times(session, model, since, until)
+        try:
+            with Database(settings.database_url).read() as session:
+                times = arrival_times(session, model, since, until)
+        except SQLAlchemyError as err:
+            raise ValueError(f"--replay database: could not read the arrivals from {settings.database_url} "
+                             f"({str(err).splitlines()[0]}); is DATABASE_URL right, and migrated (alembic upgrade "
+                             "head)?") from None
         return Trace(tuple(t - since for t in times), since, name=f"{model}, the past {args.hours:g} h")
     if not Path(args.replay).is_file():
         raise ValueError(f"--replay {args.replay}: not 'synthetic', 'database', or a trace file")

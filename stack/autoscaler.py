@@ -65,7 +65,7 @@ class Autoscaler:
         while not stop.is_set():
             try:
                 self.tick()
-            except (redis.RedisError, SQLAlchemyError) as err:  # away for a while: the next tick tries again
+            except redis.RedisError as err:  # away for a while: the next tick tries again
                 log.warning("tick failed: %s", err)
             stop.wait(self.config.tick_s)
 
@@ -167,9 +167,18 @@ class Autoscaler:
                             worker.exit_code, lived)
 
     def _arrivals(self, model: str, now: float) -> int:
-        since, self._arrivals_since[model] = self._arrivals_since[model], now
-        with self.db.read() as session:
-            return arrivals_between(session, model, since, now)
+        """Arrivals since the last tick; none counted while the database does not answer (the queue
+        and the workers, in Redis, still size the fleet)."""
+        since = self._arrivals_since[model]
+        try:
+            with self.db.read() as session:
+                arrivals = arrivals_between(session, model, since, now)
+        except SQLAlchemyError as err:
+            log.warning("%s: could not count the arrivals (%s); sizing from the queue and the workers alone",
+                        model, _first_line(err))
+            return 0
+        self._arrivals_since[model] = now
+        return arrivals
 
     def _warm(self, model: str, now: float) -> int:
         profile = self._profile(model, now)
@@ -182,9 +191,15 @@ class Autoscaler:
         made = self._profiles.get(model)
         if made is None or now - made[0] >= PREDICT_EVERY_S:
             since = now - profile.weeks * SECONDS_PER_WEEK
-            with self.db.read() as session:
-                spans = spans_of(request_stays(session, model, since, now), batch_stays(session, model, since, now),
-                                 now)
+            try:
+                with self.db.read() as session:
+                    spans = spans_of(request_stays(session, model, since, now),
+                                     batch_stays(session, model, since, now), now)
+            except SQLAlchemyError as err:  # the last prediction holds (none yet: nothing kept warm)
+                log.warning("%s: could not read the past arrivals to predict the profile (%s)", model,
+                            _first_line(err))
+                self._profiles[model] = made = (now, made[1] if made else Profile(()))
+                return made[1]
             predicted = predict_profile(spans, now, profile.weeks, self.config.policy.target_ongoing)
             if made is None or made[1].windows != predicted.windows:
                 log.info("%s: profile %s", model, predicted.describe())
@@ -202,3 +217,7 @@ class Autoscaler:
 
 def _stopping(worker: WorkerProcess | None) -> bool:
     return worker is not None and worker.stopping_since is not None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -2,7 +2,12 @@
 count in a span of time, the times for a replay, the stays for the predicted profile."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +15,8 @@ from llmq.autoscale.predict import Span, spans_of
 from llmq.store.arrivals import arrival_times, arrivals_between, batch_stays, request_stays
 from llmq.store.database import Database
 from llmq.store.models import Batch, File, Request
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
@@ -54,3 +61,18 @@ def test_stays_become_spans_of_demand(db):
     spans = spans_of(sorted(requests, key=lambda r: r[0]), sorted(batches), now=300.0)
     assert spans == [Span(100.0, 130.0), Span(105.0, 300.0), Span(200.0, 201.0),
                      Span(150.0, 190.0, 30, drains=True), Span(170.0, 300.0, 5, drains=True)]
+
+
+def test_llmq_autoscale_replays_the_recorded_arrivals(tmp_path, migrated_db):
+    shutil.copy(migrated_db, tmp_path / "llmq.db")
+    url = f"sqlite:///{tmp_path / 'llmq.db'}"
+    now = time.time()
+    with Database(url).session() as session:
+        for ago in (3000, 2000, 1000, 7200):  # the last one is before the hour replayed
+            session.add(Request(model="served", body={}, created_at=now - ago, finished_at=now - ago + 5))
+    done = subprocess.run([sys.executable, "-m", "stack.cli", "autoscale", "--replay", "database", "--hours", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LLMQ_HOME": str(tmp_path), "DATABASE_URL": url, "MODEL_NAME": "served",
+                               "LLMQ_AUTOSCALE_MIN": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "replay of served, the past 1 h" in done.stdout and ": 3 arrivals over" in done.stdout

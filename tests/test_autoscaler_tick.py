@@ -117,3 +117,17 @@ def test_closing_stops_its_workers_and_withdraws_its_decision(autoscaler, redis_
     assert "m" in fleet.autoscalers(redis_db, 30)
     autoscaler.close(timeout=10)
     assert autoscaler.backend.workers() == [] and fleet.autoscalers(redis_db, 30) == {}
+
+
+def test_without_the_database_it_still_scales_from_redis(tmp_path, redis_db, caplog):
+    backend = LocalBackend(lambda model: {"PATH": "/usr/bin:/bin"}, tmp_path,
+                           command=lambda name: [sys.executable, "-c", SLEEPER])
+    scaler = Autoscaler(CONFIG, backend, ["m"], redis_db, Database(f"sqlite:///{tmp_path / 'missing' / 'llmq.db'}"),
+                        stale_after=30)
+    try:
+        queue(redis_db, 12)
+        scaler.tick()
+        assert len(backend.workers("m")) == 3
+        assert "could not count the arrivals" in caplog.text
+    finally:
+        scaler.close(timeout=10)
