@@ -15,7 +15,7 @@ How it decides, and whose ideas it takes:
    policy sizes for the demand one worker start-up from now, since a worker started now serves
    only then.
 3. Within a tolerance of what the current workers are sized for, it asks for no change (HPA's
-   tolerance, 10% by default), so noise at a boundary does not keep a decision pending.
+   tolerance), so noise at a boundary does not keep a decision pending.
 4. The count is bounded by LLMQ_AUTOSCALE_MIN and LLMQ_AUTOSCALE_MAX, and never below what the
    traffic profile keeps warm. That floor acts at once: it is a plan, not a noisy measurement.
 5. A decision to change acts only once it has held for the upscale or downscale delay, every
@@ -27,8 +27,9 @@ How it decides, and whose ideas it takes:
    path): nothing serves the waiting requests, so there is no noise to wait out.
 
 Starting workers count as workers: they will serve soon, and counting only ready ones would start
-more at every tick of a long start-up (the HPA likewise does not count a starting pod's usage
-against scaling it up further).
+more at every tick of a long start-up. (The HPA, too, keeps a pod that is not yet ready among the
+replicas and takes its usage as none when it scales up, so a start-up in progress damps the next
+scale-up.)
 
 References: Ray Serve, "Advanced Ray Serve Autoscaling" (docs.ray.io/en/latest/serve/advanced-guides/
 advanced-autoscaling.html) and ray.serve.config.AutoscalingConfig; Kubernetes, "Horizontal Pod
