@@ -114,6 +114,17 @@ class Settings:
     # Run the engine in a process of its own (workers/engine_process.py) rather than in the Celery
     # worker's: it then shares no interpreter lock with the task threads.
     engine_process: bool = True
+    # The autoscaler (`llmq autoscale`; validated by llmq/autoscale/config.py, where each is explained).
+    autoscale_min: int = 1  # workers kept per model, also outside the profile; 0 scales to zero
+    autoscale_max: int = 1
+    autoscale_upscale_delay: int = 30  # seconds a decision to add workers must hold before it acts
+    autoscale_downscale_delay: int = 600  # seconds a decision to remove workers must hold
+    autoscale_target_ongoing: int | None = None  # requests per worker, queued ones included; default max_num_seqs
+    autoscale_tick_seconds: int = 5
+    autoscale_rate_half_life: int = 30  # seconds: the smoothed arrival and completion rates' half-life
+    autoscale_startup_seconds: int = 60  # a worker's start-up time until one is measured
+    autoscale_profile: str | None = None  # workers kept warm by hour of the week, or "predict"
+    autoscale_backend: str = "local"
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -156,6 +167,17 @@ class Settings:
             engine_nice=_int("LLMQ_ENGINE_NICE", None),
             background_stream_writes=_flag("LLMQ_BACKGROUND_STREAM_WRITES"),
             engine_process=_flag("LLMQ_ENGINE_PROCESS") is not False,
+            # The autoscaler's.
+            autoscale_min=_int("LLMQ_AUTOSCALE_MIN", 1),
+            autoscale_max=_int("LLMQ_AUTOSCALE_MAX", 1),
+            autoscale_upscale_delay=_int("LLMQ_AUTOSCALE_UPSCALE_DELAY", 30),
+            autoscale_downscale_delay=_int("LLMQ_AUTOSCALE_DOWNSCALE_DELAY", 600),
+            autoscale_target_ongoing=_int("LLMQ_AUTOSCALE_TARGET_ONGOING", 0) or None,
+            autoscale_tick_seconds=_int("LLMQ_AUTOSCALE_TICK_SECONDS", 5),
+            autoscale_rate_half_life=_int("LLMQ_AUTOSCALE_RATE_HALF_LIFE", 30),
+            autoscale_startup_seconds=_int("LLMQ_AUTOSCALE_STARTUP_SECONDS", 60),
+            autoscale_profile=_str("LLMQ_AUTOSCALE_PROFILE"),
+            autoscale_backend=_str("LLMQ_AUTOSCALE_BACKEND", "local"),
         )
 
     def resolved_engine_nice(self) -> int:

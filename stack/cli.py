@@ -5,6 +5,7 @@
     llmq demo [--offline]                               a real bulk job end to end on the embedded defaults
     llmq default-model                                  print (and make, once) the default model's folder
     llmq keys create|list|revoke                        API keys and their tenants (stack/keys_cli.py)
+    llmq autoscale [--replay synthetic --plot f.png]    size the workers from the queues (stack/autoscale_cli.py)
 """
 from __future__ import annotations
 
@@ -142,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     default = commands.add_parser("default-model", help="print the default model's folder, making it once")
     default.set_defaults(func=cmd_default_model)
 
-    from stack.keys_cli import add_keys_command  # torch-free, like everything here at parse time
+    from stack.autoscale_cli import add_autoscale_command  # torch-free, like everything here at parse time
+    from stack.keys_cli import add_keys_command
 
     add_keys_command(commands)
+    add_autoscale_command(commands)
     return parser
 
 

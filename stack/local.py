@@ -25,6 +25,7 @@ from llmq.events import WORKERS_KEY
 from llmq.settings import Settings
 from llmq.store.api_keys import create_key
 from llmq.store.database import Database
+from stack.worker_backends import celery_worker_command
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -108,10 +109,8 @@ class LocalStack:
     def start_worker(self, name: str) -> subprocess.Popen:
         """A real Celery worker process (threads pool, the engine loaded before it consumes)."""
         out = open(self.log_dir / f"worker-{name}.log", "a") if self.log_dir else subprocess.DEVNULL
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--loglevel", "INFO",
-             "-n", f"{name}@%h", "--without-gossip", "--without-mingle"],
-            cwd=REPO_ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(celery_worker_command(name), cwd=REPO_ROOT, env=self.env, stdout=out,
+                                   stderr=subprocess.STDOUT)
         self.workers[name] = process
         return process
 
