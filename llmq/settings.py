@@ -114,6 +114,9 @@ class Settings:
     # Run the engine in a process of its own (workers/engine_process.py) rather than in the Celery
     # worker's: it then shares no interpreter lock with the task threads.
     engine_process: bool = True
+    # Metrics (GET /metrics): each worker's request timings, kept on its engine loop and sent with its
+    # heartbeats (workers/request_metrics.py); off (LLMQ_METRICS=0) to measure what they cost.
+    metrics: bool = True
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -156,6 +159,8 @@ class Settings:
             engine_nice=_int("LLMQ_ENGINE_NICE", None),
             background_stream_writes=_flag("LLMQ_BACKGROUND_STREAM_WRITES"),
             engine_process=_flag("LLMQ_ENGINE_PROCESS") is not False,
+            # Metrics
+            metrics=_flag("LLMQ_METRICS") is not False,
         )
 
     def resolved_engine_nice(self) -> int:
