@@ -85,7 +85,7 @@ class EngineService:
         self._load_error: BaseException | None = None
         if metrics is None:  # the worker's wiring (workers/celery_app.py) does not pass it (yet)
             metrics = Settings.from_env().metrics
-        self._metrics = RequestMetrics() if metrics else None  # touched by the loop thread only
+        self._metrics = RequestMetrics() if metrics else None  # changed by the loop thread only
 
     # ---- called from task threads --------------------------------------------------------
 
