@@ -2,7 +2,7 @@
 
 A fresh install has no keys and is open: every call runs as tenant "default", with no key. Once any
 key exists, even a revoked one (revoking the last key must not open the server again), every call
-but the health checks needs a valid, unrevoked key, else 401 in the OpenAI shape saying what is
+but the health checks and GET /metrics needs a valid, unrevoked key, else 401 in the OpenAI shape saying what is
 wrong. `authenticate` runs before every request (registered in create_app) and leaves the caller
 on flask.g: `g.tenant`, and `g.api_key` (the ApiKey row, or None on an open install).
 """
@@ -18,9 +18,10 @@ from llmq.store.api_keys import SECRET_PATTERN, any_key_exists, find_key
 from llmq.store.database import Database
 from llmq.store.models import DEFAULT_TENANT, ApiKey
 
-# Every route of these blueprints is open: load balancers probe health without a key. Everything
-# else, the OpenAPI description included, is for key holders once keys exist (fetch it with yours).
-PUBLIC_BLUEPRINTS = ("health",)
+# Every route of these blueprints is open: load balancers probe health and Prometheus scrapes metrics
+# without a key. Everything else, the OpenAPI description included, is for key holders once keys
+# exist (fetch it with yours).
+PUBLIC_BLUEPRINTS = ("health", "metrics")
 
 
 def is_public() -> bool:

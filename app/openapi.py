@@ -72,7 +72,7 @@ def _operation(operation_id: str, summary: str, responses: dict, *, tag: str, me
                body: dict | None = None, parameters: list | None = None, errors: tuple = (), public: bool = False,
                description: str | None = None) -> dict:
     """One operation. Every operation may answer 401, 429 and 503 (API keys, rate limits, Redis away),
-    except the public one (health); every POST takes an optional Idempotency-Key."""
+    except the public ones (health, metrics); every POST takes an optional Idempotency-Key."""
     op = {"operationId": operation_id, "summary": summary, "tags": [tag]}
     if description:
         op["description"] = description
@@ -126,8 +126,16 @@ PATHS = {
         "health", "Liveness for load balancers (no key needed)", tag="service", public=True,
         responses={"200": _json({"type": "object", "required": ["status"],
                                  "properties": {"status": {"const": "ok"}}}, "The web process is up")})},
+    "/metrics": {"get": _operation(
+        "metrics", "The whole fleet's metrics, for Prometheus (no key needed)", tag="service", public=True,
+        errors=(503,),
+        description=("The Prometheus text format: every live worker's load, token counters and latency "
+                     "histograms (vLLM's names under `llmq:`), each model's queue depth, workers by state, "
+                     "the autoscaler's decisions, batches and batch lines by status. See llmq/metrics.py."),
+        responses={"200": {"description": "The metrics",
+                           "content": {"text/plain": {"schema": {"type": "string"}}}}})},
     "/openapi.json": {"get": _operation(
-        "openapi", "This OpenAPI description (a key is needed once keys exist, as everywhere but health)",
+        "openapi", "This OpenAPI description (a key is needed once keys exist, as everywhere but health and metrics)",
         tag="service",
         responses={"200": _json({"type": "object", "required": ["openapi", "paths"]}, "The OpenAPI 3.1 document")})},
     "/v1/models": {"get": _operation(

@@ -125,6 +125,9 @@ class Settings:
     autoscale_startup_seconds: int = 60  # a worker's start-up time until one is measured
     autoscale_profile: str | None = None  # workers kept warm by hour of the week, or "predict"
     autoscale_backend: str = "local"
+    # Metrics (GET /metrics): each worker's request timings, kept on its engine loop and sent with its
+    # heartbeats (workers/request_metrics.py); off (LLMQ_METRICS=0) to measure what they cost.
+    metrics: bool = True
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -178,6 +181,8 @@ class Settings:
             autoscale_startup_seconds=_int("LLMQ_AUTOSCALE_STARTUP_SECONDS", 60),
             autoscale_profile=_str("LLMQ_AUTOSCALE_PROFILE"),
             autoscale_backend=_str("LLMQ_AUTOSCALE_BACKEND", "local"),
+            # Metrics
+            metrics=_flag("LLMQ_METRICS") is not False,
         )
 
     def resolved_engine_nice(self) -> int:

@@ -67,6 +67,7 @@ class EngineOptions:
     nice: int = 0
     background_writes: bool = False
     log_level: int = logging.INFO
+    metrics: bool | None = None  # the requests' timings (Settings.metrics); None: as the environment says
 
 
 class EngineProcess:
@@ -190,7 +191,7 @@ def _child_main(conn, options: EngineOptions, parent_pid: int) -> None:
     client = redis_client(options.redis_url, options.redis_retry_seconds)  # rides out a Redis restart
     service = EngineService(partial(load_and_warm, options.engine_config),
                             StreamPublisher(client, options.stream_maxlen, options.stream_ttl),
-                            nice=options.nice, background_writes=options.background_writes)
+                            nice=options.nice, background_writes=options.background_writes, metrics=options.metrics)
     send_lock = threading.Lock()
 
     def send(message) -> None:

@@ -55,6 +55,7 @@ class Job:
     routes: dict[str, tuple[int, int]] = field(default_factory=dict)
     num_events: int = 0  # events written to the request's stream so far (by this run and any before)
     first_token_at: float | None = None
+    arrived_at: float = 0.0  # when it reached the engine service (time.perf_counter(); for its metrics)
     outcome: Outcome = field(default_factory=Outcome)
     on_done: Callable[["Job"], None] | None = None  # called once it has ended (the engine process reports it)
 

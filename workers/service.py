@@ -8,6 +8,10 @@ StepWriter, which writes them to Redis in one round trip (on a GPU while the nex
 tokens reach streaming clients as they are made. A cancel published on
 `llmq:cancel` aborts the request at the next step and frees its KV blocks.
 
+The loop also keeps the worker's metrics: the engine's counters (tokens, prefix cache, preemptions)
+and, unless LLMQ_METRICS=0, its requests' timings and endings (workers/request_metrics.py); `stats()`
+carries both under "metrics", and so every heartbeat does (llmq/metrics.py).
+
 Those published events are also each request's checkpoint: an EngineRequest's `resume_from` is the
 progress read back from the request's stream, and the request goes on from it (a worker died or
 handed it back). `hand_back()` ends every request in flight with HandedBack, so a stopping worker
@@ -28,9 +32,11 @@ from llmq.errors import InvalidRequest
 from llmq.events import DeltaEvent, DoneEvent, Event, Usage
 from llmq.model.tokenizer import Tokenizer
 from llmq.outputs import CompletionOutput, RequestDelta
+from llmq.settings import Settings
 from workers.job import Job, one_sample, output_so_far
 from workers.messages import EngineFailure, EngineRequest, EngineResult, HandedBack, StreamWriteFailure
 from workers.publisher import StreamPublisher
+from workers.request_metrics import RequestMetrics
 from workers.step_writer import StepEvents, StepWriter
 
 if TYPE_CHECKING:  # the engine (and torch) load only in worker processes, not in Flower or the web
@@ -52,10 +58,11 @@ class EngineService:
 
     `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
     starts inherit it (LLMQ_ENGINE_NICE, see Settings.resolved_engine_nice). `background_writes`: a thread of
-    its own writes each step's events while the next step runs (workers/step_writer.py)."""
+    its own writes each step's events while the next step runs (workers/step_writer.py). `metrics`: keep
+    the requests' timings (LLMQ_METRICS; None: as the environment says, Settings.metrics)."""
 
     def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0,
-                 background_writes: bool = False):
+                 background_writes: bool = False, metrics: bool | None = None):
         self._engine_factory = engine_factory
         self._nice = nice
         self.engine: "LLMEngine | None" = None
@@ -76,6 +83,9 @@ class EngineService:
         self._stats: dict = {}
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        if metrics is None:  # the worker's wiring (workers/celery_app.py) does not pass it (yet)
+            metrics = Settings.from_env().metrics
+        self._metrics = RequestMetrics() if metrics else None  # changed by the loop thread only
 
     # ---- called from task threads --------------------------------------------------------
 
@@ -103,6 +113,7 @@ class EngineService:
 
     def submit(self, job: Job) -> None:
         """Hand a job to the loop without waiting: `job.finish()` reports its end (see `run`)."""
+        job.arrived_at = time.perf_counter()
         self._intake.put(job)
         self._wake.set()
 
@@ -126,10 +137,17 @@ class EngineService:
         self._wake.set()
 
     def stats(self) -> dict:
-        """The engine's load now (running, waiting, free and total KV blocks) and the loop's totals since
-        the worker started: steps, busy_seconds (inside engine.step) and tokens generated."""
+        """The engine's load now (running, waiting, free and total KV blocks), the loop's totals since
+        the worker started: steps, busy_seconds (inside engine.step) and tokens generated, and under
+        "metrics" the worker's counters and request timings (llmq/metrics.py)."""
         with self._stats_lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self.engine is not None:
+            metrics = self.engine.counters.as_dict()
+            if self._metrics is not None:
+                metrics.update(self._metrics.snapshot())
+            stats["metrics"] = metrics
+        return stats
 
     # ---- the loop thread -----------------------------------------------------------------
 
@@ -164,6 +182,8 @@ class EngineService:
                 started = time.perf_counter()
                 deltas = self.engine.step()
                 totals.add(time.perf_counter() - started, sum(len(d.token_ids) for d in deltas))
+                if self._metrics is not None and self.engine.started:
+                    self._record_scheduled(started)
                 self._dispatch(deltas)
                 with self._stats_lock:
                     self._stats = {**self.engine.stats(), **totals.as_dict()}
@@ -195,6 +215,8 @@ class EngineService:
                 self._writer.submit(StepEvents(events, finished=[job]))
                 continue
             self._jobs[job.request_id] = job
+            if self._metrics is not None:
+                self._metrics.arrived(job, job.arrived_at)
             if self._early_cancels.pop(job.request_id, None) is not None:
                 self._cancels.put(job.request_id)
 
@@ -246,10 +268,19 @@ class EngineService:
             if now - at > _EARLY_CANCEL_MEMORY_S:
                 del self._early_cancels[request_id]
 
+    def _record_scheduled(self, step_started: float) -> None:
+        """The requests the step just run scheduled for the first time: their wait ended as it began."""
+        for engine_id in self.engine.started:
+            job = self._by_engine_id.get(engine_id)
+            if job is not None:
+                self._metrics.scheduled(job, step_started)
+
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         events: dict[Job, list[Event]] = {}
         finished_jobs = []
         now = time.time()
+        metrics = self._metrics
+        at = time.perf_counter() if metrics is not None else 0.0
         for delta in deltas:
             job = self._by_engine_id.get(delta.request_id)
             if job is None:
@@ -259,12 +290,17 @@ class EngineService:
             job.outputs[prompt_number][sample].add(delta)
             if job.first_token_at is None and delta.token_ids:
                 job.first_token_at = now
-            events.setdefault(job, []).append(DeltaEvent(prompt_number * job.params.n + sample, delta.text,
-                                                         delta.token_ids, delta.logprobs, delta.finish_reason, now))
+            choice = prompt_number * job.params.n + sample
+            events.setdefault(job, []).append(DeltaEvent(choice, delta.text, delta.token_ids, delta.logprobs,
+                                                         delta.finish_reason, now))
+            if metrics is not None:
+                metrics.delta(job, choice, len(delta.token_ids), delta.finish_reason, at)
             if delta.finished and job.finished:
                 finished_jobs.append(job)
         for job in finished_jobs:
             events.setdefault(job, []).append(DoneEvent(Usage(job.prompt_tokens, job.completion_tokens), now))
+            if metrics is not None:
+                metrics.finished(job, at)
         numbered, lengths = {}, {}
         for job, job_events in events.items():
             numbered[job.request_id] = (job.num_events + 1, job_events)
@@ -294,6 +330,8 @@ class EngineService:
             self._by_engine_id.pop(engine_id, None)
         if self._jobs.get(job.request_id) is job:  # a job refused at admission never got in
             del self._jobs[job.request_id]
+        if self._metrics is not None:
+            self._metrics.forget(job)
         job.finish(error)
 
     def _end_all(self, error: Exception) -> None:
@@ -315,6 +353,7 @@ def load_and_warm(config: EngineConfig) -> "LLMEngine":
     engine.add_request("warmup", "Hello", SamplingParams(temperature=0, max_tokens=2))
     while engine.has_unfinished():
         engine.step()
+    engine.counters.reset()  # the warm-up is no work of the worker's
     return engine
 
 

@@ -45,6 +45,8 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []  # abort deltas, handed out by the next step()
         self._seed_stream = random.Random(config.seed)
+        self.counters = self.scheduler.counters  # tokens, prefix cache, preemptions (llmq/engine/counters.py)
+        self.started: list[str] = []  # the requests that the last step() scheduled for the first time
         log.info("engine ready: %s (%s layers) on %s in %.1f s", config.model, model_config.num_hidden_layers,
                  config.device, time.perf_counter() - started)
 
@@ -120,6 +122,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one iteration: every running sequence advances; returns the deltas it produced."""
         batch = self.scheduler.schedule()
+        self.started = [seq.request_id for seq in batch.started]
         for seq in batch.deferred:  # siblings that wait for a slot: aborted with their request
             self._requests[seq.request_id].append(seq)
         token_ids, logprobs = self.model_runner.run(batch) if batch else ([], [])

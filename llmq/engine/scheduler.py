@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from llmq.engine.block_manager import BlockManager
+from llmq.engine.counters import EngineCounters
 from llmq.engine.fair_share import fair_split
 from llmq.engine.sequence import Sequence, SequenceStatus
 
@@ -45,6 +46,7 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     deferred: list[Sequence] = field(default_factory=list)  # samples (n > 1) forked into waiting, not running
+    started: list[Sequence] = field(default_factory=list)  # requests scheduled for the first time: they waited till now
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +68,7 @@ class Scheduler:
         self._waiting_slots: Counter[str] = Counter()  # slots a tenant's waiting sequences need, forks included
         self._weights: dict[str, float] = {}  # the weight each tenant's newest sequence came with
         self._arrivals = itertools.count()
+        self.counters = EngineCounters()
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -143,8 +146,12 @@ class Scheduler:
         `batch.samplers`). Returns the sequences that got a new token."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
+        counters = self.counters
         for seq, token_id in zip(batch.samplers, sampled_token_ids):
+            if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens:  # a request's first token
+                counters.prompt_tokens += seq.num_prompt_tokens
             seq.token_ids.append(token_id)
+        counters.generation_tokens += len(sampled_token_ids)
         return batch.samplers
 
     def kv_slot_usage(self) -> tuple[int, int]:
@@ -246,6 +253,11 @@ class Scheduler:
                 under_share_stuck |= not over_share
                 continue
             self._remove_waiting(seq)
+            if self.block_manager.enable_prefix_caching:
+                self.counters.prefix_cache_queries += seq.num_tokens
+                self.counters.prefix_cache_hits += num_cached
+            if seq.index == 0 and not seq.num_preemptions:  # neither a sibling sample nor a comeback
+                batch.started.append(seq)
             seq.num_computed_tokens += num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -317,5 +329,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self._push_waiting(seq)
         batch.preempted.append(seq)

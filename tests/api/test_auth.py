@@ -20,7 +20,7 @@ from llmq.store.models import ApiKey, File
 from stack import cli
 from tests.conftest import STORIES_DIR
 
-PUBLIC_BLUEPRINTS = ("health",)  # load balancers' health checks
+PUBLIC_BLUEPRINTS = ("health", "metrics")  # load balancers' health checks, Prometheus's scrapes
 
 
 def routes(public: bool) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from llmq.settings import Settings
 from tests.conftest import STORIES_DIR
 
 HTTP_METHODS = {"get", "post", "put", "patch", "delete"}
-PUBLIC_OPERATIONS = {("/health", "get")}
+PUBLIC_OPERATIONS = {("/health", "get"), ("/metrics", "get")}
 
 
 @pytest.fixture(scope="module")
