@@ -15,6 +15,8 @@ A worker's heartbeat (a JSON object under `llmq:workers`, by worker name) says:
   tokens_per_s          generated over its last few heartbeats
   quantization, tensor_parallel_size, pipeline_parallel_size
   steps, busy_seconds, tokens   the engine loop's totals since it started
+  metrics               its counters and request timings since it started, for GET /metrics
+                        (llmq/metrics.py has their form)
 A worker whose heartbeat is older than `stale_after` seconds is not alive: it died, or stalled so
 long that its leases lapsed (LLMQ_LEASE_SECONDS).
 """

@@ -70,8 +70,10 @@ def test_a_completed_request_moves_the_counters_and_histograms_by_what_it_report
 
 def test_a_long_request_shows_running_and_waiting_then_every_choice_ends_once(api, idle):
     before = idle
-    # 2 prompts x 16 samples of 480 tokens: the 16 slots are full for hundreds of steps, a prompt waits.
-    submitted = api.post("/v1/requests", json={"model": MODEL_NAME, "prompt": ["Once upon a time", "The dog"],
+    # 4 prompts x 16 samples of 480 tokens: the 16 slots are full for over a thousand steps (seconds, many
+    # heartbeats, on a fast machine too), and prompts wait.
+    prompts = ["Once upon a time", "The dog", "Lily wanted to", "One day, Tom"]
+    submitted = api.post("/v1/requests", json={"model": MODEL_NAME, "prompt": prompts,
                                                "n": 16, "max_tokens": 480, "temperature": 1.0, "seed": 1,
                                                "ignore_eos": True})
     assert submitted.status_code == 202, submitted.text
@@ -85,21 +87,23 @@ def test_a_long_request_shows_running_and_waiting_then_every_choice_ends_once(ap
     ended = ("abort", "length", "stop")
     after = wait_until(lambda: (s := scrape(api)) and not total(s, "llmq:num_requests_running")
                        and sum(total(s, "llmq:request_success_total", finished_reason=r) for r in ended)
-                       >= sum(total(before, "llmq:request_success_total", finished_reason=r) for r in ended) + 32
+                       >= sum(total(before, "llmq:request_success_total", finished_reason=r) for r in ended) + 64
                        and s)
     moved = {r: total(after, "llmq:request_success_total", finished_reason=r)
              - total(before, "llmq:request_success_total", finished_reason=r) for r in ended}
-    assert sum(moved.values()) == 32 and moved["abort"] >= 1  # each of the 32 choices once
+    assert sum(moved.values()) == 4 * 16 and moved["abort"] >= 1  # each choice once
     assert total(after, "llmq:e2e_request_latency_seconds_count") \
         - total(before, "llmq:e2e_request_latency_seconds_count") == 1  # a cancelled request finishes too
 
 
 def test_queue_depth_counts_work_waiting_for_a_thread_and_drains(api, idle):
     # One tenant may hold max_num_seqs (16) of the worker's task threads: the rest of its work is parked.
+    # 16 samples each, so the first 16 requests hold their threads for seconds (16 x 16 sequences through
+    # 16 slots) while the last 8 arrive: those wait, however fast the machine.
     ids = []
     for _ in range(24):
-        submitted = api.post("/v1/requests", json={"model": MODEL_NAME, "prompt": "Once upon a time",
-                                                   "max_tokens": 480, "temperature": 0, "ignore_eos": True})
+        submitted = api.post("/v1/requests", json={"model": MODEL_NAME, "prompt": "Once upon a time", "n": 16,
+                                                   "max_tokens": 480, "temperature": 1.0, "ignore_eos": True})
         assert submitted.status_code == 202, submitted.text
         ids.append(submitted.json()["id"])
     try:
