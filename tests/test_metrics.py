@@ -187,19 +187,6 @@ def test_the_service_reports_its_requests_in_its_stats(service_factory):
     assert histograms[m.E2E_REQUEST_LATENCY].sum >= histograms[m.TIME_TO_FIRST_TOKEN].sum > 0
 
 
-def test_the_service_follows_llmq_metrics_when_it_is_not_told(monkeypatch, stories_dir, redis_db):
-    # The worker's wiring (workers/celery_app.py) passes no `metrics`: the environment decides.
-    monkeypatch.setenv("LLMQ_METRICS", "0")
-    service = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), max_num_seqs=2)),
-                            StreamPublisher(redis_db, maxlen=100, ttl=60))
-    service.start()
-    try:
-        reported = service.stats()["metrics"]
-    finally:
-        service.stop()
-    assert set(reported) == {m.heartbeat_key(name) for name in m.ENGINE_COUNTERS}
-
-
 def test_with_metrics_off_the_service_keeps_only_the_engine_counters(service_factory):
     service = service_factory(metrics=False)
     result = service.run(EngineRequest("off", [service.tokenizer.encode("Once")],

@@ -110,12 +110,12 @@ def _engine_client(publisher: StreamPublisher) -> EngineClient:
         return EngineProcess(EngineOptions(
             settings.engine_config(), settings.redis_url, settings.redis_retry_seconds, settings.stream_maxlen,
             settings.stream_ttl, settings.resolved_engine_nice(), settings.resolved_background_stream_writes(),
-            logging.getLogger().getEffectiveLevel()))
+            logging.getLogger().getEffectiveLevel(), metrics=settings.metrics))
     from workers.service import EngineService, load_and_warm
 
     return EngineService(partial(load_and_warm, settings.engine_config()), publisher,
                          nice=settings.resolved_engine_nice(),
-                         background_writes=settings.resolved_background_stream_writes())
+                         background_writes=settings.resolved_background_stream_writes(), metrics=settings.metrics)
 
 
 @worker_shutting_down.connect

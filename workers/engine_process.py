@@ -67,7 +67,7 @@ class EngineOptions:
     nice: int = 0
     background_writes: bool = False
     log_level: int = logging.INFO
-    metrics: bool | None = None  # the requests' timings (Settings.metrics); None: as the environment says
+    metrics: bool = True  # the requests' timings (Settings.metrics)
 
 
 class EngineProcess:

@@ -32,7 +32,6 @@ from llmq.errors import InvalidRequest
 from llmq.events import DeltaEvent, DoneEvent, Event, Usage
 from llmq.model.tokenizer import Tokenizer
 from llmq.outputs import CompletionOutput, RequestDelta
-from llmq.settings import Settings
 from workers.job import Job, one_sample, output_so_far
 from workers.messages import EngineFailure, EngineRequest, EngineResult, HandedBack, StreamWriteFailure
 from workers.publisher import StreamPublisher
@@ -59,10 +58,10 @@ class EngineService:
     `nice`: the loop thread's CPU priority, set before it loads the engine, so the OpenMP threads it
     starts inherit it (LLMQ_ENGINE_NICE, see Settings.resolved_engine_nice). `background_writes`: a thread of
     its own writes each step's events while the next step runs (workers/step_writer.py). `metrics`: keep
-    the requests' timings (LLMQ_METRICS; None: as the environment says, Settings.metrics)."""
+    the requests' timings (LLMQ_METRICS, Settings.metrics)."""
 
     def __init__(self, engine_factory: Callable[[], "LLMEngine"], publisher: StreamPublisher, nice: int = 0,
-                 background_writes: bool = False, metrics: bool | None = None):
+                 background_writes: bool = False, metrics: bool = True):
         self._engine_factory = engine_factory
         self._nice = nice
         self.engine: "LLMEngine | None" = None
@@ -83,8 +82,6 @@ class EngineService:
         self._stats: dict = {}
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        if metrics is None:  # the worker's wiring (workers/celery_app.py) does not pass it (yet)
-            metrics = Settings.from_env().metrics
         self._metrics = RequestMetrics() if metrics else None  # changed by the loop thread only
 
     # ---- called from task threads --------------------------------------------------------

@@ -4,7 +4,7 @@ the service is, never what anyone asked it."""
 from flask import Blueprint, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from app.api.common import db, redis_client, served_model, settings
+from app.api.common import db, heartbeat_stale_after, redis_client, served_model
 from app.fleet_metrics import FleetCollector
 
 blueprint = Blueprint("metrics", __name__)
@@ -12,8 +12,6 @@ blueprint = Blueprint("metrics", __name__)
 
 @blueprint.get("/metrics")
 def metrics():
-    # The same rule as GET /v1/workers: a worker that missed three heartbeats is gone.
-    stale_after = 3 * settings().heartbeat_seconds + 5
     registry = CollectorRegistry(auto_describe=False)  # a fresh one per scrape: no state in this process
-    registry.register(FleetCollector(redis_client(), db(), [served_model()], stale_after))
+    registry.register(FleetCollector(redis_client(), db(), [served_model()], heartbeat_stale_after()))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

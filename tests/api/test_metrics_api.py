@@ -19,7 +19,8 @@ from llmq.settings import queue_name
 from llmq.store.models import Batch, BatchItem, File
 from tests.api.conftest import ACCESS_MODEL
 from workers.request_metrics import RequestMetrics
-from workers.tenant_intake import ParkedWork, TenantIntake
+from workers.tenant_intake import TenantIntake
+from workers.work import Work
 
 STALE = 3 * 2 + 5  # the default LLMQ_HEARTBEAT_SECONDS (2): a heartbeat older than 11 s is gone
 
@@ -126,7 +127,7 @@ def test_queue_depth_counts_the_brokers_messages_and_the_parked_work_by_priority
     for priority in (0, 0, 0, 6, 7):
         celery.send_task("llmq.complete", args=["req"], queue=queue_name(ACCESS_MODEL), priority=priority)
     intake = TenantIntake(redis_db, ACCESS_MODEL, 4, 2, lambda tenant: 1.0, lambda work: None)
-    intake.park("acme", ParkedWork("llmq.complete", "parked-1", 0), ParkedWork("llmq.run_batch_line", 5, 6))
+    intake.park("acme", Work("llmq.complete", "parked-1", 0), Work("llmq.run_batch_line", 5, 6))
     samples = scrape(client)
     depth = {p: of(samples, "llmq:queue_depth", model_name=ACCESS_MODEL, priority=p) for p in ("0", "3", "6", "9")}
     assert depth == {"0": 3 + 1, "3": 0, "6": 2 + 1, "9": 0}
