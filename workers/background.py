@@ -39,6 +39,7 @@ class Heartbeat:
         self.runtime: WorkerRuntime | None = None
         self.draining = False
         self._tokens: deque[tuple[float, int]] = deque(maxlen=self.RATE_WINDOW + 1)
+        self._stats: dict = {}
 
     def beat(self) -> dict:
         now = time.time()
@@ -48,7 +49,11 @@ class Heartbeat:
         runtime = self.runtime
         if runtime is None:
             return {**beat, "state": "starting"}
-        stats = runtime.engine.stats()
+        try:
+            stats = self._stats = runtime.engine.stats()
+        except Exception as err:  # the engine did not answer in time: still alive, say so with what it said last
+            log.warning("heartbeat without fresh engine stats: %s", err)
+            stats = self._stats
         held = runtime.held.held()
         self._tokens.append((now, stats.get("tokens", 0)))
         (then, before), (_, after) = self._tokens[0], self._tokens[-1]
@@ -87,7 +92,7 @@ def heartbeats(heartbeat: Heartbeat, stop: threading.Event) -> None:
                     runtime.engine.hand_back(request_id)
         except redis.RedisError as err:
             log.warning("heartbeat failed: %s", err)
-        except Exception:  # the engine did not answer in time: the next beat tries again
+        except Exception:  # whatever it was, the next beat tries again: this thread must not end
             log.exception("heartbeat failed")
         if stop.wait(heartbeat.settings.heartbeat_seconds):
             break

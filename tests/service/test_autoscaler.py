@@ -31,7 +31,13 @@ from llmq.engine.llm import LLM
 from llmq.sampling_params import SamplingParams
 from stack.local import REPO_ROOT, LocalStack
 from tests.service.conftest import MODEL_NAME, wait_until
-from tests.service.test_recovery import MAX_TOKENS, PROMPTS, file_lines, start_batch, wait_for_end
+from tests.service.test_recovery import (
+    MAX_TOKENS,
+    PROMPTS,
+    assert_every_line_once_and_equal_to_offline,
+    start_batch,
+    wait_for_end,
+)
 
 AUTOSCALE_ENV = {"LLMQ_MAX_NUM_SEQS": "4", "LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_SHUTDOWN_GRACE_SECONDS": "10",
                  "LLMQ_AUTOSCALE_MIN": "1", "LLMQ_AUTOSCALE_MAX": "3", "LLMQ_AUTOSCALE_UPSCALE_DELAY": "1",
@@ -159,14 +165,7 @@ def test_a_burst_scales_the_fleet_up_to_max_and_back_down_losing_nothing(served_
         startups = ready_seconds(log)
         print("worker start-up, process start to ready: " + ", ".join(f"{s:.1f} s" for s in startups))
 
-        assert batch["status"] == "completed", batch
-        assert batch["request_counts"] == {"total": len(BURST), "completed": len(BURST), "failed": 0}
-        rows_out = file_lines(api, batch["output_file_id"])
-        custom_ids = [row["custom_id"] for row in rows_out]
-        assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(len(BURST))), "a line is missing or twice"
-        for row in rows_out:
-            prompt = BURST[int(row["custom_id"].split("-")[1])]
-            assert row["response"]["body"]["choices"][0]["text"] == offline[prompt], row["custom_id"]
+        assert_every_line_once_and_equal_to_offline(api, batch, offline, BURST)
         assert max(r[1] for r in rows) == 3 and all(r[1] <= 3 for r in rows)
         assert len(started_at(log)) == 3 and len(startups) == 3, log
         stops = re.findall(r"stopping worker (\S+) .*; held (\d+) s \(delay 10 s\)", log)
