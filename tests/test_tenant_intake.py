@@ -138,3 +138,23 @@ def test_work_that_cannot_be_sent_stays_parked(client):
     intake.park("a", Work("llmq.complete", "a1"))
     assert intake.resume_idle() == 0
     assert intake.parked() == {"a": 1}
+
+
+def test_while_the_engine_is_saturated_only_a_tenant_with_nothing_here_starts(client, sent):
+    saturated = threading.Event()
+    intake = TenantIntake(client, f"m-{uuid.uuid4().hex[:8]}", 8, 4, lambda t: 1.0, sent.append,
+                          saturated=saturated.is_set)
+    a1 = Holder(intake, "a", Work("llmq.complete", "a1"))
+    saturated.set()
+    with intake.turn("a", Work("llmq.complete", "a2")) as now:
+        assert now is False, "a has work here already: it waits parked, under its limit though it is"
+    with intake.turn("b", Work("llmq.complete", "b1")) as now:
+        assert now is True, "b has nothing here: it starts, and the engine's fair share gives it a slot"
+        with intake.turn("b", Work("llmq.complete", "b2")) as again:
+            assert again is False
+    assert sent == [Work("llmq.complete", "b2")], "b1 ended: b has nothing here again, so its next goes back"
+    assert intake.resume_idle() == 0, "a's work is not sent back to be parked again"
+    saturated.clear()
+    assert intake.resume_idle() == 1
+    assert sent == [Work("llmq.complete", "b2"), Work("llmq.complete", "a2")]
+    a1.end()

@@ -4,8 +4,10 @@ A Celery worker takes tasks up to its prefetch limit, which by default is its th
 that started first would hold the whole of a batch's waiting lines while a worker that joins later
 finds the queue empty. So the limit follows the engine instead (`admission_limit`): room for
 `max_num_seqs` requests and a little headroom (so the next request is already there when one
-finishes), and nothing new while the engine's own queue is longer than that headroom or its KV
-cache is nearly full. What the worker does not take stays in the queue for a worker that has room.
+finishes); while the engine's own queue is longer than that headroom or its KV cache is nearly full
+(saturated), one task at a time, which runs only if its tenant has nothing on this worker yet (the
+tenant intake parks it otherwise). What the worker does not take stays in the queue for a worker
+that has room.
 
 `CapacityGate` is a consumer bootstep (Celery's documented way to extend the worker): a thread of
 its own reads the engine's load a few times a second and sets the consumer's prefetch limit (the
@@ -30,21 +32,38 @@ def headroom(max_num_seqs: int) -> int:
     return max(1, max_num_seqs // 8)
 
 
-def admission_limit(stats: dict, max_num_seqs: int, held: int) -> int:
-    """How many requests (tasks) the worker may hold now, given its engine's `stats` (running,
-    waiting, free_blocks, total_blocks) and the `held` tasks it runs: never below what it holds (what
-    it took is its own) and never below 1 (the broker reads 0 as no limit)."""
-    spare = headroom(max_num_seqs)
+def is_saturated(stats: dict, max_num_seqs: int) -> bool:
+    """Whether the engine has more than it can run soon: its own queue longer than the headroom, or
+    its KV cache nearly full."""
     total = stats.get("total_blocks") or 0
     kv_tight = total > 0 and stats.get("free_blocks", 0) < math.ceil(KV_RESERVE * total)
-    if kv_tight or stats.get("waiting", 0) > spare:
-        return max(1, held)
-    return max(1, held, max_num_seqs + spare)
+    return kv_tight or stats.get("waiting", 0) > headroom(max_num_seqs)
+
+
+def admission_limit(stats: dict, max_num_seqs: int, held: int) -> int:
+    """How many requests (tasks) the worker may hold now, given its engine's `stats` (running,
+    waiting, free_blocks, total_blocks) and the `held` tasks it runs. A saturated engine takes one
+    task at a time beyond what it holds: the tenant intake parks it unless its tenant has nothing
+    here yet (workers/tenant_intake.py), so the queue behind a flood keeps moving, and another
+    tenant's request still reaches the engine's fair share. Never below 1 (the broker reads 0 as no
+    limit)."""
+    if is_saturated(stats, max_num_seqs):
+        return held + 1
+    return max(1, held, max_num_seqs + headroom(max_num_seqs))
 
 
 def capacity(stats: dict, max_num_seqs: int, held: int) -> int:
-    """How many more requests the worker takes now (its heartbeat says so)."""
+    """How many more requests the worker takes now (its heartbeat says so): none while saturated."""
+    if is_saturated(stats, max_num_seqs):
+        return 0
     return max(0, admission_limit(stats, max_num_seqs, held) - held)
+
+
+class Admission:
+    """The gate's latest verdict, which the tenant intake reads as each task starts."""
+
+    def __init__(self):
+        self.saturated = False
 
 
 class CapacityGate(bootsteps.StartStopStep):
@@ -83,7 +102,9 @@ class CapacityGate(bootsteps.StartStopStep):
         current = None
         while not self._stop.wait(GATE_INTERVAL_S):
             try:
-                limit = admission_limit(runtime.engine.stats(), max_num_seqs, runtime.held.held())
+                stats = runtime.engine.stats()
+                runtime.admission.saturated = is_saturated(stats, max_num_seqs)
+                limit = admission_limit(stats, max_num_seqs, runtime.held.held())
             except Exception as err:  # the engine is stopping, or did not answer in time: keep the limit
                 log.debug("capacity gate: no engine stats (%s)", err)
                 continue

@@ -33,7 +33,7 @@ from llmq.settings import queue_name
 from llmq.store.database import Database
 from workers import background
 from workers.background import Heartbeat
-from workers.capacity import CapacityGate
+from workers.capacity import Admission, CapacityGate
 from workers.engine_client import EngineClient
 from workers.held_work import HeldWork
 from workers.leases import Leases
@@ -81,13 +81,16 @@ def start_engine(sender=None, **_):
         _stop.set()  # its "starting" heartbeat goes with it
         raise SystemExit(1) from None
     model_name = settings.resolved_model_name()
+    admission = Admission()
     intake = TenantIntake(client, model_name, settings.resolved_worker_threads(), settings.resolved_tenant_threads(),
-                          settings.tenant_weight, partial(_send_parked, queue_name(model_name)))
+                          settings.tenant_weight, partial(_send_parked, queue_name(model_name)),
+                          saturated=lambda: admission.saturated)
     runtime = WorkerRuntime(settings=settings, db=Database(settings.database_url), redis=client,
                             publisher=publisher, engine=engine,
                             model=ServedModel.of_settings(settings),
                             leases=Leases(client, instance, settings.lease_seconds), intake=intake, name=name,
                             instance=instance, held=HeldWork(client, instance, queue_name(model_name)),
+                            admission=admission,
                             background=ThreadPoolExecutor(2, thread_name_prefix="llmq-bookkeeping"))
     celery_app.runtime = runtime
     background.start(runtime, celery_app, _stop)

@@ -10,6 +10,7 @@ from llmq import fleet
 from llmq.protocol.prepare import ServedModel
 from llmq.settings import Settings
 from llmq.store.database import Database
+from workers.capacity import Admission
 from workers.engine_client import EngineClient
 from workers.held_work import HeldWork
 from workers.leases import Leases
@@ -30,6 +31,7 @@ class WorkerRuntime:
     name: str  # the worker's Celery hostname, its heartbeat's key
     instance: str  # this run of the worker: what its heartbeats, leases and held work name (llmq/fleet.py)
     held: HeldWork  # the tasks it runs now, for the sweep to send again should it die
+    admission: Admission  # whether its engine is saturated, as the capacity gate last saw it
     background: Executor  # bookkeeping that need not hold up a request (its row marked running)
 
     def is_alive(self, instance: str) -> bool:

@@ -69,10 +69,13 @@ def parked_works(client: redis.Redis, model: str) -> set[tuple[str, str]]:
 
 class TenantIntake:
     def __init__(self, client: redis.Redis, model: str, threads: int, tenant_threads: int,
-                 weight: Callable[[str], float], send: Callable[[Work], None]):
+                 weight: Callable[[str], float], send: Callable[[Work], None],
+                 saturated: Callable[[], bool] = lambda: False):
+        """`saturated`: whether the engine has more than it can run soon (workers/capacity.py); while it
+        does, only a tenant with nothing running here starts a task, and the others' work is parked."""
         self.client, self.model = client, model
         self.threads, self.tenant_threads = threads, tenant_threads
-        self.weight, self.send = weight, send
+        self.weight, self.send, self.saturated = weight, send, saturated
         self._in_flight: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._pop = client.register_script(_POP)
@@ -136,7 +139,8 @@ class TenantIntake:
             # The tenants with work parked (a pop finds out when one has no more: no count is read first).
             parked = set(_parked_tenants(self.client, self.model)) if budget > 0 else set()
             while sent < budget:
-                tenants = [t for t in parked if load[t] < self.tenant_threads]
+                saturated = self.saturated()
+                tenants = [t for t in parked if self._may_start(load[t], saturated)]
                 if not tenants:
                     break
                 tenant = min(tenants, key=lambda t: (load[t] / self.weight(t), t))
@@ -160,9 +164,13 @@ class TenantIntake:
         """What a heartbeat sends: as much parked work as this worker has idle threads for."""
         return self.resume(limit=self.threads)  # resume() sends no more than the idle threads take
 
+    def _may_start(self, in_flight: int, saturated: bool) -> bool:
+        return in_flight < self.tenant_threads and (not saturated or in_flight == 0)
+
     def _enter(self, tenant: str) -> bool:
+        saturated = self.saturated()
         with self._lock:
-            if self._in_flight[tenant] >= self.tenant_threads:
+            if not self._may_start(self._in_flight[tenant], saturated):
                 return False
             self._in_flight[tenant] += 1
             return True

@@ -35,11 +35,17 @@ def has(samples, name: str) -> bool:
 @pytest.fixture()
 def idle(api):
     """The metrics once a heartbeat sent with nothing in the worker's engine has reached Redis."""
-    def quiet():
+    last = []
+
+    def quiet():  # nothing queued or running, and no token made since the previous scrape (a heartbeat ago)
         samples = scrape(api)
-        return (has(samples, "llmq:generation_tokens_total") and not total(samples, "llmq:num_requests_running")
-                and not total(samples, "llmq:num_requests_waiting") and samples)
-    return wait_until(quiet)
+        tokens = total(samples, "llmq:generation_tokens_total")
+        settled = last and last[-1] == tokens
+        last.append(tokens)
+        return (settled and has(samples, "llmq:generation_tokens_total")
+                and not total(samples, "llmq:num_requests_running") and not total(samples, "llmq:num_requests_waiting")
+                and not total(samples, "llmq:queue_depth") and samples)
+    return wait_until(quiet, interval=1.2)
 
 
 def test_a_completed_request_moves_the_counters_and_histograms_by_what_it_reports(api, idle):
