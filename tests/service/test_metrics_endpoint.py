@@ -5,6 +5,7 @@ the test's own work, since the session's other tests share the worker."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,12 +33,15 @@ def has(samples, name: str) -> bool:
     return any(sample == name for sample, _, _ in samples)
 
 
-@pytest.fixture()
-def idle(api):
-    """The metrics once a heartbeat sent with nothing in the worker's engine has reached Redis."""
-    last = []
+def wait_idle(api) -> list:
+    """The metrics once heartbeats sent after this call say nothing is queued, held or running on the
+    workers, and no token was made since the previous scrape."""
+    last, since = [], time.time()
 
-    def quiet():  # nothing queued or running, and no token made since the previous scrape (a heartbeat ago)
+    def quiet():
+        workers = api.get("/v1/workers").json()["data"]
+        if not workers or any(w.get("held", 0) or w["at"] <= since for w in workers):
+            return False
         samples = scrape(api)
         tokens = total(samples, "llmq:generation_tokens_total")
         settled = last and last[-1] == tokens
@@ -48,15 +52,24 @@ def idle(api):
     return wait_until(quiet, interval=1.2)
 
 
-def test_a_completed_request_moves_the_counters_and_histograms_by_what_it_reports(api, idle):
-    before = idle
-    reply = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 9,
-                                              "temperature": 0, "ignore_eos": True})
-    assert reply.status_code == 200, reply.text
-    usage = reply.json()["usage"]
-    after = wait_until(lambda: (s := scrape(api)) and total(s, "llmq:e2e_request_latency_seconds_count")
-                       > total(before, "llmq:e2e_request_latency_seconds_count")
-                       and not total(s, "llmq:num_requests_running") and s)
+@pytest.fixture()
+def idle(api):
+    return wait_idle(api)
+
+
+def test_a_completed_request_moves_the_counters_and_histograms_by_what_it_reports(api):
+    # Work the session's other tests left (a request sent for later, a batch line) may still end in the
+    # middle of this one's: then it measures again, with that work out of the way.
+    for _ in range(3):
+        before = wait_idle(api)
+        reply = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time",
+                                                  "max_tokens": 9, "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        after = wait_idle(api)  # settled: the heartbeats since the reply are in
+        if total(after, "llmq:e2e_request_latency_seconds_count") - total(
+                before, "llmq:e2e_request_latency_seconds_count") == 1:
+            break
 
     def moved(name: str, **labels) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
