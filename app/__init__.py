@@ -34,9 +34,12 @@ def create_app(settings: Settings | None = None) -> Flask:
         celery=_celery_app(app.name, settings), tokenizer=Tokenizer.from_folder(settings.model_path),
         model=ServedModel.of_settings(settings))
 
-    from app import auth, idempotency, limits
+    from app import auth, idempotency, limits, web_session
     from app.api import register_blueprints
+    from app.dashboard import blueprint as dashboard
     from app.errors import register_error_handlers
+
+    web_session.init_app(app, settings)
 
     # In this order, before every request: who is calling (g.tenant; 401 without a valid key once keys
     # exist), then the key's request rate (429), then a retried POST's first answer (Idempotency-Key).
@@ -44,6 +47,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.before_request(limits.limit_request_rate)
     idempotency.init_app(app)
     register_blueprints(app)
+    app.register_blueprint(dashboard)
     register_error_handlers(app)
     return app
 

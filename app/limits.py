@@ -85,7 +85,7 @@ MULTIPART_ALLOWANCE_BYTES = 64 * 1024
 
 def limit_request_rate() -> None:
     """before_request (after authenticate): 429 past the requests-per-minute limit. Every call but
-    the health checks counts. Also bounds this request's body by the key's upload limit."""
+    the health checks and the dashboard's pages counts. Also bounds this request's body by the key's upload limit."""
     if is_public():
         return
     limits = current_limits()
@@ -93,6 +93,8 @@ def limit_request_rate() -> None:
     # multipart framing; the file's bytes are held to the limit exactly (app/api/files.py).
     request.max_content_length = limits.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES
     g.upload_limit = limits.max_upload_bytes  # what a 413 says the limit is
+    if request.blueprint == "dashboard" and request.method == "GET":
+        return  # a page and its refreshes read the database only: they spend none of the key's requests
     _consume("rpm", 1, limits.requests_per_minute,
              lambda: f"Rate limit reached: {limits.requests_per_minute} requests per minute")
 

@@ -88,6 +88,11 @@ def parked_key(model: str, tenant: str) -> str:
     return f"llmq:parked:{model}:{tenant}"
 
 
+def history_key(model: str) -> str:
+    """The model's fleet over the last hour, a sample per time bucket (llmq/fleet_history.py)."""
+    return f"llmq:history:{model}"
+
+
 def parked_count_key(model: str, tenant: str) -> str:
     """How many works the tenant has ever parked for the model: numbers them, for their order."""
     return f"llmq:parked-count:{model}:{tenant}"

@@ -128,6 +128,11 @@ class Settings:
     # Metrics (GET /metrics): each worker's request timings, kept on its engine loop and sent with its
     # heartbeats (workers/request_metrics.py); off (LLMQ_METRICS=0) to measure what they cost.
     metrics: bool = True
+    # The dashboard's session cookie (app/dashboard/session.py): the key that signs it, the same in
+    # every web process (unset: one made once under `home`, which serves the web processes of one
+    # machine); and whether it is sent over HTTPS only (unset: when the request came over HTTPS).
+    secret_key: str | None = None
+    secure_cookies: bool | None = None
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -183,6 +188,9 @@ class Settings:
             autoscale_backend=_str("LLMQ_AUTOSCALE_BACKEND", "local"),
             # Metrics
             metrics=_flag("LLMQ_METRICS") is not False,
+            # The dashboard
+            secret_key=_str("LLMQ_SECRET_KEY"),
+            secure_cookies=_flag("LLMQ_SECURE_COOKIES"),
         )
 
     def resolved_engine_nice(self) -> int:
@@ -213,6 +221,11 @@ class Settings:
     def resolved_tenant_threads(self) -> int:
         """The task threads one tenant may hold on a worker (never all of them while there are two)."""
         return max(1, min(self.tenant_threads or self.max_num_seqs, self.resolved_worker_threads() - 1))
+
+    @property
+    def heartbeat_stale_after(self) -> float:
+        """How old a worker's heartbeat may be before the web counts it gone (a few missed beats)."""
+        return 3 * self.heartbeat_seconds + 5
 
     def tenant_weight(self, tenant: str) -> float:
         return dict(self.tenant_weights).get(tenant, 1.0)

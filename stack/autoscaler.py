@@ -24,7 +24,7 @@ from datetime import datetime
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from llmq import fleet
+from llmq import fleet, fleet_history
 from llmq.autoscale.config import AutoscaleConfig
 from llmq.autoscale.policy import Decision, Observation, PolicyState, decide
 from llmq.autoscale.predict import predict_profile, spans_of
@@ -116,6 +116,7 @@ class Autoscaler:
             "max": self.config.policy.max_workers, "backend": self.backend.name, "queued": observation.queued,
             "in_flight": observation.in_flight, "arrival_rate": round(decision.state.arrival_rate, 4),
             "startup_s": round(self.startup_s, 1)})
+        fleet_history.record(self.client, model, self.stale_after, now)  # the dashboard's chart, when no worker runs too
         return decision
 
     def _stop_idlest(self, model: str, count: int, own: dict[str, WorkerProcess], beats: dict[str, dict],

@@ -182,3 +182,19 @@ def test_a_line_over_the_batchs_request_size_limits_is_an_error_line(db, batch_i
     errors = [json.loads(item.result)["error"] for item in items(db, strict_id)]
     assert [e["code"] for e in errors] == ["request_too_large"] * 5
     assert all("at most 3" in e["message"] and "(param: max_tokens)" in e["message"] for e in errors)
+
+
+def test_each_finished_line_adds_its_generated_tokens_to_the_batch_once(db, batch_id):
+    first, second, third = items(db, batch_id)[:3]
+    with db.session() as session:
+        batch_lifecycle.record_result(session, first.id, "completed", batch_lifecycle.success_line(
+            "c0", {"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}))
+        batch_lifecycle.record_result(session, second.id, "failed", {"custom_id": "c1", "error": {"code": "x"}})
+        batch_lifecycle.record_result(session, third.id, "completed", batch_lifecycle.success_line(
+            "c2", {"id": "y", "usage": {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}}))
+    with db.session() as session:  # a redelivered line's second result is not counted
+        assert not batch_lifecycle.record_result(session, first.id, "completed", batch_lifecycle.success_line(
+            "c0", {"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}))
+    with db.read() as session:
+        batch = session.get(Batch, batch_id)
+        assert (batch.completed, batch.failed, batch.completion_tokens) == (2, 1, 12)

@@ -1,5 +1,5 @@
-"""The worker's background threads: heartbeats (which renew its leases), the cancel listener and
-the sweeper. Each runs until `stop` is set.
+"""The worker's background threads: heartbeats (which renew its leases), the cancel listener, the
+sweeper and the fleet's history. Each runs until `stop` is set.
 
 Heartbeats start before the engine loads (state "starting"), so the fleet knows a worker is on its
 way (the web queues requests for its model, the autoscaler counts it); once it is up they carry its
@@ -17,6 +17,7 @@ from collections import deque
 import redis
 from celery import Celery
 
+from llmq import fleet_history
 from llmq.events import CANCEL_CHANNEL, SWEEP_LOCK_KEY, WORKERS_KEY
 from llmq.settings import Settings
 from workers.capacity import capacity
@@ -72,7 +73,8 @@ def start_heartbeats(heartbeat: Heartbeat, stop: threading.Event) -> None:
 
 def start(runtime: WorkerRuntime, celery_app: Celery, stop: threading.Event) -> None:
     for target, args, name in ((sweep, (runtime, celery_app, stop), "llmq-sweeper"),
-                               (listen_for_cancels, (runtime, stop), "llmq-cancels")):
+                               (listen_for_cancels, (runtime, stop), "llmq-cancels"),
+                               (record_history, (runtime, stop), "llmq-history")):
         threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
 
@@ -129,3 +131,14 @@ def sweep(runtime: WorkerRuntime, celery_app: Celery, stop: threading.Event) -> 
                 sweeper.sweep(time.time())
         except Exception:  # the next sweep tries again
             log.exception("sweep failed")
+
+
+def record_history(runtime: WorkerRuntime, stop: threading.Event) -> None:
+    """A few times a bucket, the fleet's sample for the dashboard's chart (llmq/fleet_history.py); the
+    first worker to reach a bucket writes it, so each is written once however many workers run."""
+    settings = runtime.settings
+    while not stop.wait(fleet_history.BUCKET_S / 3):
+        try:
+            fleet_history.record_fleet(runtime.redis, {settings.resolved_model_name()}, settings.heartbeat_stale_after)
+        except redis.RedisError as err:  # the next one tries again
+            log.warning("fleet history not recorded: %s", err)

@@ -53,8 +53,13 @@ def create_batch():
     if endpoint not in ENDPOINTS:
         raise APIError(400, f"endpoint {endpoint!r} is not supported: use one of "
                             f"{', '.join(ENDPOINTS)}", param="endpoint", code="invalid_value")
-    window, window_seconds = _completion_window(body.get("completion_window"))
-    metadata = _metadata(body.get("metadata"))
+    return batch_object(create(input_file_id, endpoint, body.get("completion_window"), _metadata(body.get("metadata"))))
+
+
+def create(input_file_id: str, endpoint: str, completion_window, metadata: dict | None) -> Batch:
+    """A batch of the caller's file, queued for a worker to validate and fan out (404 for a file not the
+    caller's, 400 for one not uploaded for batches, 503 when no worker serves the model or the queue is down)."""
+    window, window_seconds = _completion_window(completion_window)
     model = served_model()
     check_served(model)
     caller = limits.current_limits()  # the batch keeps its creating key's limits for its lines
@@ -85,7 +90,7 @@ def create_batch():
                                                         "message": "the task queue (Redis) did not accept the batch"}]}
         raise APIError(503, "the task queue (Redis) is unavailable, so the batch could not be queued; "
                             f"it is marked failed ({batch.id}). Try again later", code="queue_unavailable")
-    return batch_object(batch)
+    return batch
 
 
 @blueprint.get("/batches/<batch_id>")
@@ -128,6 +133,10 @@ def list_batches():
 
 @blueprint.post("/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str):
+    return batch_object(cancel(batch_id))
+
+
+def cancel(batch_id: str) -> Batch:
     """validating / in_progress -> cancelling -> cancelled. Lines not started are cancelled here, running
     lines are told to stop; the batch is cancelled once none runs, with what finished in its output
     and error files. Cancelling a cancelling or cancelled batch answers it unchanged; a batch that
@@ -142,7 +151,7 @@ def cancel_batch(batch_id: str):
             raise APIError(400, f"batch {batch_id} is {batch.status} and cannot be cancelled (only validating or "
                                 "in_progress batches can)", code="invalid_batch_status")
         if batch.status == BatchStatus.CANCELLED:
-            return batch_object(batch)
+            return batch
     with db().session() as session:
         # A queued line's task would cancel itself when it comes (claim_item checks the batch), but
         # doing it now ends the batch at once even when no worker is consuming the queue.
@@ -153,7 +162,7 @@ def cancel_batch(batch_id: str):
     _stop_running(running)
     with db().session() as session:
         finalize_if_done(session, batch_id)  # cancelled now if nothing runs; else the last line finalizes
-        return batch_object(session.get(Batch, batch_id))
+        return session.get(Batch, batch_id)
 
 
 def _stop_running(request_ids: list[str]) -> None:

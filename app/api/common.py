@@ -62,8 +62,7 @@ def check_model(model: Any, required: bool = True) -> str:
 
 
 def heartbeat_stale_after() -> float:
-    """How old a worker's heartbeat may be before the web counts it gone (a few missed beats)."""
-    return 3 * settings().heartbeat_seconds + 5
+    return settings().heartbeat_stale_after
 
 
 def check_served(model: str) -> None:

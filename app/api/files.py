@@ -44,7 +44,11 @@ def upload_file():
         raise APIError(400, f"purpose {purpose!r} is not supported: llmq accepts uploads with purpose "
                             f"{' or '.join(repr(p) for p in UPLOAD_PURPOSES)}", param="purpose",
                        code="invalid_purpose")
-    content = upload.read()
+    return file_object(store_upload(upload.filename, purpose, upload.read()))
+
+
+def store_upload(filename: str | None, purpose: str, content: bytes) -> File:
+    """An uploaded file stored for the caller, once it is within the caller's limits (413, 400)."""
     limit = current_limits().max_upload_bytes
     # max_content_length bounds the whole request; this also covers a body without Content-Length.
     if len(content) > limit:
@@ -53,13 +57,12 @@ def upload_file():
                        code="request_too_large")
     if purpose == "batch":  # refused now rather than failing the batch made from it later
         check_batch_lines(len(jsonl_lines(content.decode("utf-8", "replace"))))  # as the batch counts them
-    filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
     with db().session() as session:
-        file = File(tenant=current_tenant(), filename=filename, purpose=purpose, bytes=len(content),
-                    content=content)
+        file = File(tenant=current_tenant(), filename=(filename or "upload.jsonl")[:MAX_FILENAME_CHARS],
+                    purpose=purpose, bytes=len(content), content=content)
         session.add(file)
         session.flush()  # assigns created_at
-        return file_object(file)
+        return file
 
 
 @blueprint.get("/files")

@@ -163,8 +163,16 @@ def record_result(session: Session, item_id: int, status: ItemStatus, line: dict
     batch_id = session.get(BatchItem, item_id).batch_id
     if status in (ItemStatus.COMPLETED, ItemStatus.FAILED):
         column = Batch.completed if status == ItemStatus.COMPLETED else Batch.failed
-        session.execute(update(Batch).where(Batch.id == batch_id).values({column: column + 1}))
+        tokens = _completion_tokens(line)
+        session.execute(update(Batch).where(Batch.id == batch_id).values(
+            {column: column + 1, Batch.completion_tokens: Batch.completion_tokens + tokens}))
     return True
+
+
+def _completion_tokens(line: dict | None) -> int:
+    """The tokens an output line's response says it generated (0 for an error line)."""
+    body = ((line or {}).get("response") or {}).get("body") or {}
+    return int((body.get("usage") or {}).get("completion_tokens") or 0)
 
 
 def success_line(custom_id: str, response: dict) -> dict:

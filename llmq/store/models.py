@@ -136,6 +136,7 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)
     completed: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # of its finished lines
     created_at: Mapped[float] = mapped_column(default=now)
     in_progress_at: Mapped[float | None] = mapped_column(default=None)
     expires_at: Mapped[float | None] = mapped_column(default=None)

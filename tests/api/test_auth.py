@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import re
+from urllib.parse import unquote_plus
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,19 @@ from stack import cli
 from tests.conftest import STORIES_DIR
 
 PUBLIC_BLUEPRINTS = ("health", "metrics")  # load balancers' health checks, Prometheus's scrapes
+PUBLIC_ENDPOINTS = ("dashboard.login", "dashboard.static")  # where a person enters a key, and its style
 
 
-def routes(public: bool) -> list[tuple[str, str]]:
-    """(method, path) of every route of the app, its arguments filled with an id that exists nowhere."""
+def routes(public: bool, blueprint: str | None = None) -> list[tuple[str, str]]:
+    """(method, path) of every route of the app (of the API, or of one blueprint), its arguments
+    filled with an id that exists nowhere."""
     flask_app = create_app(Settings(home=None, database_url="sqlite://", redis_url="redis://127.0.0.1:1/0",
-                                    model_path=str(STORIES_DIR), model_name="unused"))  # nothing is connected
+                                    model_path=str(STORIES_DIR), model_name="unused", secret_key="unused"))  # nothing is connected
     found = []
     for rule in flask_app.url_map.iter_rules():
-        is_public = rule.endpoint.partition(".")[0] in PUBLIC_BLUEPRINTS
-        if is_public is public:
+        is_public = rule.endpoint.partition(".")[0] in PUBLIC_BLUEPRINTS or rule.endpoint in PUBLIC_ENDPOINTS
+        in_part = (rule.endpoint.partition(".")[0] == blueprint) if blueprint else not rule.endpoint.startswith("dashboard.")
+        if is_public is public and in_part:
             path = re.sub(r"<(?:[^:>]+:)?[^>]+>", "nope-123", rule.rule)
             found += [(method, path) for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
     return found
@@ -38,6 +42,7 @@ def routes(public: bool) -> list[tuple[str, str]]:
 
 API_ROUTES = routes(public=False)
 PUBLIC_ROUTES = routes(public=True)
+DASHBOARD_ROUTES = routes(public=False, blueprint="dashboard")
 
 
 def test_the_route_lists_are_real():
@@ -45,6 +50,8 @@ def test_the_route_lists_are_real():
     assert ("POST", "/v1/completions") in API_ROUTES and ("GET", "/v1/files/nope-123/content") in API_ROUTES
     assert ("GET", "/health") in PUBLIC_ROUTES and ("GET", "/openapi.json") in API_ROUTES
     assert all(path != "/health" for _, path in API_ROUTES)
+    assert ("GET", "/dashboard/batches") in DASHBOARD_ROUTES and ("POST", "/dashboard/batches") in DASHBOARD_ROUTES
+    assert all(not path.startswith("/dashboard/login") for _, path in DASHBOARD_ROUTES)
 
 
 def assert_unauthorized(response, words: str) -> None:
@@ -88,6 +95,19 @@ def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(app, 
              (revoked, "has been revoked")]
     for headers, words in cases:
         assert_unauthorized(client.open(path, method=method, headers=headers, json={}), words)
+
+
+@pytest.mark.parametrize("method,path", DASHBOARD_ROUTES)
+def test_every_dashboard_page_leads_a_caller_without_a_valid_key_to_the_log_in(app, client, new_key, method, path):
+    new_key(app, "acme")
+    revoked_id, revoked = new_key(app, "acme")
+    with app.extensions["llmq"].db.session() as session:
+        session.get(ApiKey, revoked_id).revoked_at = 1.0
+    for headers, problem in [({}, None), (revoked, "has been revoked")]:
+        answer = client.open(path, method=method, headers=headers)
+        location = unquote_plus(answer.headers.get("Location", ""))
+        assert answer.status_code == 302 and location.startswith("/dashboard/login?next="), path
+        assert (problem in location) if problem else ("problem=" not in location)
 
 
 @pytest.mark.parametrize("method,path", PUBLIC_ROUTES)
