@@ -3,6 +3,7 @@
     llmq generate [--model DIR] "Once upon a time"     stream a completion to the terminal
     llmq batch run IN.jsonl OUT.jsonl [--model DIR]     offline bulk job on OpenAI batch lines (resumable)
     llmq demo [--offline]                               a real bulk job end to end on the embedded defaults
+    llmq serve [--workers N] [--port P]                 the whole service here until Ctrl-C (the dashboard at /dashboard)
     llmq default-model                                  print (and make, once) the default model's folder
     llmq keys create|list|revoke                        API keys and their tenants (stack/keys_cli.py)
     llmq autoscale [--replay synthetic --plot f.png]    size the workers from the queues (stack/autoscale_cli.py)
@@ -92,6 +93,12 @@ def _offline_demo(args) -> int:
     return 0 if summary.completed == len(DEMO_PROMPTS) and summary.failed == 1 else 1
 
 
+def cmd_serve(args) -> int:
+    from stack.serve import serve
+
+    return serve(args.workers, args.port)
+
+
 def cmd_default_model(args) -> int:
     print(default_model_path())
     return 0
@@ -139,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_arguments(demo)
     demo.add_argument("--offline", action="store_true", help="run the job through the offline runner instead")
     demo.set_defaults(func=cmd_demo)
+
+    serve = commands.add_parser("serve", help="the whole service here until Ctrl-C: Redis, workers, the API, the dashboard")
+    serve.add_argument("--workers", type=int, default=1, help="Celery worker processes (one engine each)")
+    serve.add_argument("--port", type=int, help="the web server's port (default: $PORT or 8000)")
+    serve.set_defaults(func=cmd_serve)
 
     default = commands.add_parser("default-model", help="print the default model's folder, making it once")
     default.set_defaults(func=cmd_default_model)

@@ -45,11 +45,12 @@ def migrate(database_url: str) -> None:
 
 class LocalStack:
     def __init__(self, env: dict[str, str] | None = None, start_redis: bool = False, workers: int = 1,
-                 log_dir: Path | None = None, web: str = "thread"):
+                 log_dir: Path | None = None, web: str = "thread", web_port: int | None = None):
         """`env` overrides the environment for every process. With start_redis, a private
         redis-server on a free port is started (and stopped) by the stack. `web`: "thread" serves the
         app from a thread of this process (tests reach `stack.app`), "gunicorn" runs the web server as
-        the Procfile does (gunicorn's threaded worker), as its own process: one process of 128 threads."""
+        the Procfile does (gunicorn's threaded worker), as its own process: one process of 128 threads.
+        `web_port`: where the web server listens (default: a free port)."""
         self.env = {**os.environ, **(env or {})}
         self.start_redis = start_redis
         self.num_workers = workers
@@ -58,6 +59,7 @@ class LocalStack:
         self.redis_dir: Path | None = None
         self.workers: dict[str, subprocess.Popen] = {}
         self.web = web
+        self.web_port = web_port
         self.server = None
         self.web_process: subprocess.Popen | None = None
         self.base_url = ""
@@ -194,7 +196,7 @@ class LocalStack:
         from app import create_app
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access log line per poll
-        port = free_port()
+        port = self.web_port or free_port()
         flask_app = create_app(self.settings)
         self.app = flask_app
         self.server = make_server("127.0.0.1", port, flask_app, threaded=True)
@@ -202,7 +204,7 @@ class LocalStack:
         self.base_url = f"http://127.0.0.1:{port}"
 
     def _start_gunicorn(self, port: int | None = None) -> None:
-        port = port or free_port()
+        port = port or self.web_port or free_port()
         out = open(self.log_dir / "web.log", "a") if self.log_dir else subprocess.DEVNULL
         self.web_process = subprocess.Popen(
             [sys.executable, "-m", "gunicorn", "--worker-class", "app.gunicorn_worker.OpenAIErrorsThreadWorker",
