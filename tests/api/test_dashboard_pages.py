@@ -211,7 +211,7 @@ def test_log_in_never_sends_a_person_to_another_site(app, client, new_key):
 def test_the_workers_page_shows_each_worker_and_the_last_hour(app, client, redis_url):
     import redis
 
-    from llmq import fleet_history
+    from llmq import fleet, fleet_history
     from llmq.events import WORKERS_KEY
 
     r = redis.Redis.from_url(redis_url)
@@ -226,3 +226,8 @@ def test_the_workers_page_shows_each_worker_and_the_last_hour(app, client, redis
     assert 'aria-valuenow="75"' in page  # 75 of 100 blocks in use
     assert "812" in page and "none running" in page  # no autoscaler
     assert page.count('<polyline class="workers"') == 1 and "1 samples" in page
+    fleet.write_autoscaler(r, MODEL, {"desired": 3, "actual": 1, "min": 0, "max": 4, "backend": "local"})
+    assert fleet_history.record(r, MODEL, stale_after=30, now=now + fleet_history.BUCKET_S)
+    page = client.get("/dashboard/workers/fleet").get_data(as_text=True)
+    assert '<dd class="autoscaler">3 / 1</dd>' in page and "0 to 4 (local)" in page
+    assert page.count('<polyline class="desired"') == 1 and "2 samples" in page

@@ -193,6 +193,7 @@ def test_a_person_runs_a_batch_and_the_playground_in_the_browser(tenants, browse
     person.open("/dashboard/workers")
     person.sees("tr[data-worker]")
     assert "ready" in person.text("tr[data-worker]") and person.finds("tr[data-worker] .bar.kv")
+    wait_until(lambda: " 0 samples" not in person.text("figure.chart figcaption"), timeout=60)  # the worker's history
     person.note_weight("workers")
     person.screenshot("workers")
 
