@@ -69,9 +69,12 @@ def cmd_generate(args) -> int:
 def cmd_batch_run(args) -> int:
     from llmq.batch_runner import run_batch_file
 
+    if not Path(args.input).is_file():  # said before the engine takes its seconds to load
+        raise ValueError(f"cannot read the batch input file {args.input!r}: no such file")
     engine, model = _make_engine(args)
     try:
-        summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name)
+        summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name,
+                                 progress=sys.stderr.isatty())  # no bar in a log file or a pipe
     finally:
         engine.close()
     print(json.dumps({"output": str(Path(args.output).resolve()), **summary.__dict__}))
@@ -99,7 +102,8 @@ def _offline_demo(args) -> int:
     input_path.write_text("\n".join(demo_lines(model.name)) + "\n")
     for stale in (output_path, errors_path):
         stale.unlink(missing_ok=True)
-    summary = run_batch_file(engine, input_path, output_path, errors_path, model_name=model.name)
+    summary = run_batch_file(engine, input_path, output_path, errors_path, model_name=model.name,
+                             progress=sys.stderr.isatty())
     print(f"{summary.completed} completed, {summary.failed} failed, {summary.completion_tokens} tokens "
           f"in {summary.seconds:.1f} s\nresults: {output_path}\nerrors:  {errors_path}")
     return 0 if summary.completed == len(DEMO_PROMPTS) and summary.failed == 1 else 1
