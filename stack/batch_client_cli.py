@@ -218,9 +218,10 @@ def _download(client, file_id: str | None, path: Path | None, stream) -> Path | 
     """A result file to `path` (written even when the batch has none: empty), or to `stream`."""
     if path is None:
         if file_id:
-            for chunk in client.file_content(file_id):
-                stream.write(chunk.decode("utf-8", "replace"))
             stream.flush()
+            for chunk in client.file_content(file_id):  # bytes as they are: a chunk may end mid-character
+                stream.buffer.write(chunk)
+            stream.buffer.flush()
         return None
     partial = path.with_name(path.name + ".part")  # a download cut short never looks like a whole file
     try:

@@ -65,6 +65,10 @@ def client_command(func):
             return fail(str(err), USAGE)
         except KeyboardInterrupt:
             return fail("interrupted", INTERRUPTED)
+        except BrokenPipeError:  # `llmq batch results ID | head`: the reader has what it wanted
+            # Python would complain writing the rest at exit; send it nowhere instead (as its docs advise).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return OK
     return run
 
 
