@@ -4,6 +4,7 @@ codes. API keys, the OpenAI environment names and a tail across a web server res
 their own (gunicorn, with keys), so the session's open stack stays open for every other test."""
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import pty
@@ -134,6 +135,20 @@ def test_submit_prints_the_batch_id_and_status_wait_follows_it_with_a_bar_on_a_t
     assert f"{batch_id}: 100%".encode() in screen and b"2/2" in screen, screen
 
 
+def test_submit_a_chat_batch(stack, tmp_path):
+    source = tmp_path / "chat.jsonl"
+    source.write_text(json.dumps({"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_tokens": 6, "temperature": 0}}) + "\n")
+    out = tmp_path / "chat-out.jsonl"
+    result = llmq(stack.base_url, "batch", "submit", str(source), "--endpoint", "/v1/chat/completions", "--wait",
+                  "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    [row] = jsonl(out)
+    assert row["custom_id"] == "chat-1" and row["response"]["body"]["object"] == "chat.completion"
+    assert (tmp_path / "chat-out.errors.jsonl").read_text() == ""  # written, empty: no line failed
+
+
 def test_results_of_a_running_batch_then_cancel(stack, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(line(f"long-{i}", "Once upon a time", max_tokens=300, ignore_eos=True)
@@ -201,6 +216,28 @@ def test_an_unreachable_service_is_exit_4(tmp_path):
         assert result.returncode == 4, (args, result.stderr)
         no_traceback(result)
         assert f"cannot reach the llmq service at {url}" in result.stderr
+
+
+def test_a_proxys_5xx_page_is_exit_4_in_words():
+    """What a reverse proxy answers while the service is down: 502 with an HTML page, not the API's JSON."""
+    class BadGateway(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
+            self.send_response(502)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), BadGateway) as proxy:
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        result = llmq(f"http://127.0.0.1:{proxy.server_address[1]}", "batch", "status", "batch_x")
+        proxy.shutdown()
+    assert result.returncode == 4, result.stderr
+    assert result.stderr == "llmq: error: 502: <html><body><h1>502 Bad Gateway</h1></body></html>\n"
 
 
 def test_bad_input_is_exit_2_before_any_call(tmp_path):
