@@ -16,7 +16,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from stack.local import LocalStack, free_port
@@ -44,6 +43,13 @@ def line(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> str:
 
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(text) for text in path.read_text().splitlines()]
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants (Linux's /proc): a worker and its engine process."""
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return [pid, *(descendant for child in children for descendant in process_tree(child))]
 
 
 def no_traceback(result: subprocess.CompletedProcess) -> None:
@@ -304,17 +310,17 @@ def test_tail_resumes_across_a_web_restart_with_nothing_twice_and_nothing_lost(k
     reader.start()
     # The worker (and its engine process) paused once the tail has printed some text: the request
     # cannot end while the web server is killed and started again, whatever the machine's speed.
-    worker = psutil.Process(stack.workers["w0"].pid)
-    paused = [worker, *worker.children(recursive=True)]
+    paused = process_tree(stack.workers["w0"].pid)
+    assert len(paused) >= 2, "the worker's engine process (LLMQ_ENGINE_PROCESS) was not found to pause"
     try:
         wait_until(lambda: printed or tail.poll() is not None, timeout=120, interval=0.01)
-        for process in paused:
-            process.send_signal(signal.SIGSTOP)
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
         assert tail.poll() is None, "the tail ended before the web server could be restarted"
         stack.restart_web()
     finally:
-        for process in paused:
-            process.send_signal(signal.SIGCONT)
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
     assert tail.wait(timeout=300) == 0
     reader.join(timeout=60)
     stderr = tail.stderr.read().decode()
