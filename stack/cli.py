@@ -1,12 +1,25 @@
 """The `llmq` command line.
 
+Offline, on this machine's engine (no service needed):
     llmq generate [--model DIR] "Once upon a time"     stream a completion to the terminal
     llmq batch run IN.jsonl OUT.jsonl [--model DIR]     offline bulk job on OpenAI batch lines (resumable)
     llmq demo [--offline]                               a real bulk job end to end on the embedded defaults
     llmq serve [--workers N] [--port P]                 the whole service here until Ctrl-C (the dashboard at /dashboard)
     llmq default-model                                  print (and make, once) the default model's folder
+
+Administration, on the database of DATABASE_URL and the fleet:
     llmq keys create|list|revoke                        API keys and their tenants (stack/keys_cli.py)
     llmq autoscale [--replay synthetic --plot f.png]    size the workers from the queues (stack/autoscale_cli.py)
+
+A running service, over its HTTP API (--url / LLMQ_URL, --api-key / LLMQ_API_KEY; stack/client_cli.py):
+    llmq batch submit IN.jsonl [--wait -o OUT.jsonl]    upload a batch file, create the batch, follow it
+    llmq batch list | status ID [--wait] | results ID [-o OUT.jsonl] | cancel ID
+    llmq complete "Once upon a time" [--stream]         one completion (POST /v1/completions)
+    llmq requests tail REQUEST_ID                       follow a request's text, resuming after a dropped connection
+
+Exit codes: 0 success; 1 a batch or request ended not completed; 2 usage, bad input or the API's 4xx;
+3 some batch lines failed (`batch run` too); 4 the service unreachable or its 5xx
+(stack/client_commands.py). Progress bars go to stderr, and only when it is a terminal.
 """
 from __future__ import annotations
 
@@ -57,9 +70,12 @@ def cmd_generate(args) -> int:
 def cmd_batch_run(args) -> int:
     from llmq.batch_runner import run_batch_file
 
+    if not Path(args.input).is_file():  # said before the engine takes its seconds to load
+        raise ValueError(f"cannot read the batch input file {args.input!r}: no such file")
     engine, model = _make_engine(args)
     try:
-        summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name)
+        summary = run_batch_file(engine, args.input, args.output, args.errors, model_name=args.model_name or model.name,
+                                 progress=sys.stderr.isatty())  # no bar in a log file or a pipe
     finally:
         engine.close()
     print(json.dumps({"output": str(Path(args.output).resolve()), **summary.__dict__}))
@@ -87,7 +103,8 @@ def _offline_demo(args) -> int:
     input_path.write_text("\n".join(demo_lines(model.name)) + "\n")
     for stale in (output_path, errors_path):
         stale.unlink(missing_ok=True)
-    summary = run_batch_file(engine, input_path, output_path, errors_path, model_name=model.name)
+    summary = run_batch_file(engine, input_path, output_path, errors_path, model_name=model.name,
+                             progress=sys.stderr.isatty())
     print(f"{summary.completed} completed, {summary.failed} failed, {summary.completion_tokens} tokens "
           f"in {summary.seconds:.1f} s\nresults: {output_path}\nerrors:  {errors_path}")
     return 0 if summary.completed == len(DEMO_PROMPTS) and summary.failed == 1 else 1
@@ -133,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.set_defaults(func=cmd_generate)
 
-    batch = commands.add_parser("batch", help="offline bulk jobs").add_subparsers(dest="batch_command", required=True)
+    batch = commands.add_parser("batch", help="bulk jobs: offline (run) or on the service (submit, list, status, "
+                                              "results, cancel)").add_subparsers(dest="batch_command", required=True)
     run = batch.add_parser("run", help="run an OpenAI batch input file (JSONL) to an output file; resumable")
     _add_engine_arguments(run)
     run.add_argument("input")
@@ -156,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     default.set_defaults(func=cmd_default_model)
 
     from stack.autoscale_cli import add_autoscale_command  # torch-free, like everything here at parse time
+    from stack.client_cli import add_client_commands
     from stack.keys_cli import add_keys_command
 
     add_keys_command(commands)
     add_autoscale_command(commands)
+    add_client_commands(commands, batch)
     return parser
 
 

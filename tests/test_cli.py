@@ -77,3 +77,20 @@ def test_generate_quantized_over_two_ranks_streams_what_one_rank_makes(stories_d
     assert result.returncode == 0, result.stderr
     assert result.stdout == "Once upon a time" + expected + "\n"
     assert "tensor shard 2/2" in result.stderr  # the second rank's memory budget line
+
+
+def test_batch_run_draws_no_progress_bar_when_stderr_is_not_a_terminal(stories_dir, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                                            "body": {"prompt": "Once upon a time", "max_tokens": tokens}})
+                                for custom_id, tokens in (("a", 4), ("bad", 0), ("b", 4))) + "\n")
+    result = _llmq("batch", "run", str(source), str(tmp_path / "out.jsonl"), "--model", str(stories_dir))
+    assert result.returncode == 3, result.stderr  # a line failed: the same code as `llmq batch submit --wait`
+    assert json.loads(result.stdout)["completed"] == 2
+    assert "%|" not in result.stderr and "line/s" not in result.stderr, result.stderr
+
+
+def test_batch_run_of_a_missing_input_file_is_exit_2(tmp_path):
+    result = _llmq("batch", "run", str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl"))
+    assert result.returncode == 2
+    assert "cannot read the batch input file" in result.stderr and "Traceback" not in result.stderr
