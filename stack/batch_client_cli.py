@@ -115,12 +115,16 @@ def cmd_list(args) -> int:
     return OK
 
 
+def _batch(client, args) -> dict:
+    """The batch as it is now, or with --wait as it ends (a progress bar meanwhile, on a terminal)."""
+    batch = client.batch(args.batch_id)
+    return wait_for_end(client, batch) if args.wait else batch
+
+
 @client_command
 def cmd_status(args) -> int:
     with connect(args) as client:
-        batch = client.batch(args.batch_id)
-        if args.wait:
-            batch = wait_for_end(client, batch)
+        batch = _batch(client, args)
     if args.json:
         print_json(batch)
     else:
@@ -137,10 +141,8 @@ def cmd_status(args) -> int:
 @client_command
 def cmd_results(args) -> int:
     with connect(args) as client:
-        batch = client.batch(args.batch_id)
-        if args.wait:
-            batch = wait_for_end(client, batch)
-        elif batch["status"] not in ENDED:
+        batch = _batch(client, args)
+        if batch["status"] not in ENDED:
             note(f"llmq: error: batch {batch['id']} is {batch['status']}: its results come when it ends "
                  f"(add --wait, or see `llmq batch status {batch['id']}`)")
             return NOT_COMPLETED

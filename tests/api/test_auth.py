@@ -9,8 +9,8 @@ import hashlib
 import io
 import json
 import re
-from urllib.parse import unquote_plus
 from pathlib import Path
+from urllib.parse import unquote_plus
 
 import pytest
 from sqlalchemy import select
@@ -80,12 +80,18 @@ def test_the_first_key_closes_a_running_server_at_once(app, client, new_key):
     assert client.get("/v1/models", headers=headers).status_code == 200
 
 
-@pytest.mark.parametrize("method,path", API_ROUTES)
-def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(app, client, new_key, method, path):
+@pytest.fixture
+def revoked(app, new_key) -> dict:
+    """On a server with a valid key: the headers of another key of the tenant, revoked."""
     new_key(app, "acme")
-    revoked_id, revoked = new_key(app, "acme")
+    revoked_id, headers = new_key(app, "acme")
     with app.extensions["llmq"].db.session() as session:
         session.get(ApiKey, revoked_id).revoked_at = 1.0
+    return headers
+
+
+@pytest.mark.parametrize("method,path", API_ROUTES)
+def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(client, revoked, method, path):
     unknown_secret = "llmq-" + "A" * 43
     cases = [({}, "didn't provide an API key"),
              ({"Authorization": "Basic dXNlcjpwYXNz"}, "Malformed Authorization header"),
@@ -98,11 +104,7 @@ def test_every_endpoint_refuses_missing_malformed_unknown_and_revoked_keys(app, 
 
 
 @pytest.mark.parametrize("method,path", DASHBOARD_ROUTES)
-def test_every_dashboard_page_leads_a_caller_without_a_valid_key_to_the_log_in(app, client, new_key, method, path):
-    new_key(app, "acme")
-    revoked_id, revoked = new_key(app, "acme")
-    with app.extensions["llmq"].db.session() as session:
-        session.get(ApiKey, revoked_id).revoked_at = 1.0
+def test_every_dashboard_page_leads_a_caller_without_a_valid_key_to_the_log_in(client, revoked, method, path):
     for headers, problem in [({}, None), (revoked, "has been revoked")]:
         answer = client.open(path, method=method, headers=headers)
         location = unquote_plus(answer.headers.get("Location", ""))
