@@ -134,7 +134,10 @@ def _add_engine_arguments(parser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmq", description="llmq: batch LLM inference")
+    from stack.client_commands import connection_options  # torch-free, like everything here at parse time
+
+    parser = argparse.ArgumentParser(prog="llmq", description="llmq: batch LLM inference",
+                                     parents=[connection_options(top_level=True)])
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only (not the memory budget)")
     commands = parser.add_subparsers(dest="command", required=True)
 

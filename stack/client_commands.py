@@ -26,15 +26,20 @@ class UsageError(Exception):
     """Bad input the user can fix: the message says how."""
 
 
-def connection_options() -> argparse.ArgumentParser:
-    """The options every client command takes (an argparse parent parser)."""
+def connection_options(top_level: bool = False) -> argparse.ArgumentParser:
+    """The options every client command takes (an argparse parent parser), before the command's name
+    or after it: `llmq --url U batch list` and `llmq batch list --url U` alike. The top level's set the
+    defaults; a command's own are only there when given (SUPPRESS), so they win without hiding the
+    top level's."""
+    default = None if top_level else argparse.SUPPRESS
     options = argparse.ArgumentParser(add_help=False)
     group = options.add_argument_group("service")
-    group.add_argument("--url", help="the service, e.g. http://127.0.0.1:8000 (with or without /v1); default: "
+    group.add_argument("--url", default=default, help="the service, e.g. http://127.0.0.1:8000 (with or without /v1); default: "
                                      "$LLMQ_URL, else $OPENAI_BASE_URL, else http://127.0.0.1:$PORT (8000)")
-    group.add_argument("--api-key", help="an API key (llmq-...); default: $LLMQ_API_KEY, else $OPENAI_API_KEY, "
+    group.add_argument("--api-key", default=default, help="an API key (llmq-...); default: $LLMQ_API_KEY, else $OPENAI_API_KEY, "
                                          "else none (an open install needs none)")
-    group.add_argument("--json", action="store_true", help="print the API's objects as JSON on stdout")
+    group.add_argument("--json", action="store_true", default=False if top_level else argparse.SUPPRESS,
+                       help="print the API's objects as JSON on stdout")
     return options
 
 

@@ -127,3 +127,18 @@ def test_field_rules():
     assert events == [SSEEvent("message", "no space", None), SSEEvent("message", " two spaces", None),
                       SSEEvent("message", "", None), SSEEvent("message", "y", None),
                       SSEEvent("message", "z", None)]
+
+
+@pytest.mark.parametrize("argv, url, as_json", [
+    (["batch", "list"], None, False),
+    (["--url", "http://a:1", "--json", "batch", "list"], "http://a:1", True),
+    (["batch", "list", "--url", "http://b:2", "--json"], "http://b:2", True),
+    (["--url", "http://a:1", "batch", "list", "--url", "http://b:2"], "http://b:2", False),  # the command's wins
+    (["--api-key", "llmq-x", "requests", "tail", "req_1"], None, False),
+])
+def test_connection_options_go_before_the_command_or_after_it(argv, url, as_json):
+    from stack.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert (args.url, args.json) == (url, as_json)
+    assert args.api_key == ("llmq-x" if "--api-key" in argv else None)
