@@ -151,7 +151,8 @@ def main() -> None:
             print(f"transformers static batch {batch}: " + ", ".join(f"{useful / t:.1f}" for t in times)
                   + " useful tokens/s", flush=True)
     llmq = run_llmq(folder, requests, args.repeats, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    dtype="float32")  # the workload's, as transformers'
     results["llmq"] = llmq
     print("llmq: " + ", ".join(f"{useful / t:.1f}" for t in llmq["times"])
           + f" useful tokens/s, {llmq['steps']} steps per run", flush=True)

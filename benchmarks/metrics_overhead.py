@@ -68,7 +68,8 @@ def main() -> None:
             url = f"redis://127.0.0.1:{port}/0"
             wait_for_redis(url)
             service = service_module.EngineService(
-                lambda: service_module.load_and_warm(EngineConfig(str(bench_model_dir()), max_num_seqs=128)),
+                lambda: service_module.load_and_warm(EngineConfig(str(bench_model_dir()), dtype="float32",
+                                                                  max_num_seqs=128)),
                 StreamPublisher(redis.Redis.from_url(url), maxlen=1000, ttl=60), metrics=True)
             service.start()
             try:

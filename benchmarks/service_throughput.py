@@ -241,10 +241,12 @@ def main() -> None:
     requests = workload()
     max_num_seqs = 128
     # The offline engine is built as the worker builds its own (the same settings), in this process.
-    runs = _Runs(LLMEngine(EngineConfig(model=str(folder), max_num_seqs=max_num_seqs)), folder, requests)
+    runs = _Runs(LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=max_num_seqs)), folder,
+                 requests)
     with tempfile.TemporaryDirectory() as home:
         env = {"LLMQ_HOME": home, "DATABASE_URL": f"sqlite:///{home}/llmq.db", "MODEL_PATH": str(folder),
-               "MODEL_NAME": MODEL, "LLMQ_MAX_NUM_SEQS": str(max_num_seqs), "LLMQ_WORKER_THREADS": "160",
+               "MODEL_NAME": MODEL,
+               "LLMQ_DTYPE": "float32", "LLMQ_MAX_NUM_SEQS": str(max_num_seqs), "LLMQ_WORKER_THREADS": "160",
                **dict(item.split("=", 1) for item in args.worker_env)}
         # The web server runs as its own process (as the Procfile runs it), not beside the clients.
         with LocalStack(env, start_redis=True, log_dir=Path(home), web="gunicorn") as stack:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmq.engine.config import QUANTIZATION_METHODS, EngineConfig
+from llmq.engine.dtype import DTYPES
 
 
 def _int(name: str, default: int | None) -> int | None:
@@ -55,6 +56,13 @@ def _weights(name: str) -> tuple[tuple[str, float], ...]:
                              f"separated by commas (acme=3,beta=0.5); got {part.strip()!r}")
         pairs.append((tenant.strip(), value))
     return tuple(pairs)
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = (os.environ.get(name) or "").strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"environment variable {name} must be one of {', '.join(allowed)}, got {os.environ[name]!r}")
+    return value
 
 
 def _quantization(name: str) -> str | None:
@@ -101,6 +109,7 @@ class Settings:
     kv_cache_bytes: int | None = None
     tensor_parallel_size: int = 1  # a worker drives this many ranks x pipeline_parallel_size (one GPU each)
     pipeline_parallel_size: int = 1
+    dtype: str = "auto"  # the engine's compute dtype: auto (llmq/engine/dtype.py), float32, float16, bfloat16
     quantization: str | None = None  # quantize the served model at load: int8 or int4 (EngineConfig)
     quantization_group_size: int = 128
     worker_threads: int | None = None  # Celery threads per worker; default: 2 x max_num_seqs
@@ -167,6 +176,7 @@ class Settings:
             kv_cache_bytes=_int("LLMQ_KV_CACHE_BYTES", 0) or None,
             tensor_parallel_size=_int("LLMQ_TENSOR_PARALLEL_SIZE", 1),
             pipeline_parallel_size=_int("LLMQ_PIPELINE_PARALLEL_SIZE", 1),
+            dtype=_choice("LLMQ_DTYPE", ("auto", *DTYPES), "auto"),
             quantization=_quantization("LLMQ_QUANTIZATION"),
             quantization_group_size=_int("LLMQ_QUANTIZATION_GROUP_SIZE", 128),
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
@@ -240,7 +250,8 @@ class Settings:
 
     def engine_config(self) -> EngineConfig:
         """The served model's EngineConfig, from the engine settings here."""
-        return EngineConfig(model=self._require("model_path"), device=self.device, max_num_seqs=self.max_num_seqs,
+        return EngineConfig(model=self._require("model_path"), device=self.device, dtype=self.dtype,
+                            max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size, quantization=self.quantization,

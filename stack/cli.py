@@ -37,7 +37,7 @@ def _make_engine(args):
     from llmq.engine.llm import LLMEngine
 
     model = Path(args.model) if args.model else default_model_path()
-    config = EngineConfig(model=str(model), device=args.device, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(model=str(model), device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads or None,
                           quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
@@ -124,6 +124,9 @@ def cmd_default_model(args) -> int:
 def _add_engine_arguments(parser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: $MODEL_PATH or llmq's own small model)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="compute dtype (auto: bfloat16 on a CPU that computes it natively, else float32; "
+                             "the checkpoint's on a GPU)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, help="CPU KV cache size in bytes")

@@ -22,12 +22,12 @@ def _line(custom_id, body):
 
 @pytest.fixture(scope="module")
 def engine(stories_dir):
-    return LLMEngine(EngineConfig(model=str(stories_dir), max_num_seqs=8))
+    return LLMEngine(EngineConfig(model=str(stories_dir), dtype="float32", max_num_seqs=8))
 
 
 @pytest.fixture(scope="module")
 def reference(stories_dir):
-    llm = LLM(str(stories_dir))
+    llm = LLM(str(stories_dir), dtype="float32")
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     return {p: o.text for p, o in zip(PROMPTS, outputs)}
 

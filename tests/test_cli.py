@@ -16,7 +16,7 @@ def _llmq(*args, env=None, timeout=300):
 
 
 def test_generate_streams_the_greedy_text(stories_dir):
-    expected = LLM(str(stories_dir)).generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20),
+    expected = LLM(str(stories_dir), dtype="float32").generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20),
                                               use_tqdm=False)[0].text
     result = _llmq("generate", "--model", str(stories_dir), "--max-tokens", "20", "Once upon a time")
     assert result.returncode == 0, result.stderr
@@ -70,7 +70,7 @@ def test_demo_on_an_install_with_api_keys_uses_a_key_of_its_own(tmp_path):
 
 
 def test_generate_quantized_over_two_ranks_streams_what_one_rank_makes(stories_dir):
-    expected = LLM(str(stories_dir), quantization="int8").generate(
+    expected = LLM(str(stories_dir), dtype="float32", quantization="int8").generate(
         "Once upon a time", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].text
     result = _llmq("generate", "--model", str(stories_dir), "--max-tokens", "20", "--quantization", "int8",
                    "--tensor-parallel-size", "2", "Once upon a time")

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def options(stories_dir: Path, redis_url: str) -> EngineOptions:
-    return EngineOptions(EngineConfig(str(stories_dir), max_num_seqs=8), redis_url, redis_retry_seconds=5,
+    return EngineOptions(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8), redis_url, redis_retry_seconds=5,
                          stream_maxlen=1000, stream_ttl=60)
 
 
@@ -46,7 +46,7 @@ def test_a_request_through_the_pipe_equals_the_in_process_service_and_its_stream
                                                                               redis_url):
     client = redis.Redis.from_url(redis_url)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    in_process = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), max_num_seqs=8)),
+    in_process = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8)),
                                StreamPublisher(client, 1000, 60))
     in_process.start()
     prompts = [engine_process.tokenizer.encode(text) for text in ("Once upon a time", "The cat")]

@@ -153,7 +153,7 @@ def service_factory(stories_dir, redis_url):
     made = []
 
     def make(metrics: bool) -> EngineService:
-        service = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), max_num_seqs=8)),
+        service = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8)),
                                 StreamPublisher(redis.Redis.from_url(redis_url), maxlen=1000, ttl=60), metrics=metrics)
         service.start()
         made.append(service)

@@ -14,7 +14,7 @@ from workers.service import EngineService, load_and_warm
 
 def test_a_request_with_more_events_than_the_cap_keeps_them_all(stories_dir, redis_db):
     # 4 choices x 60 tokens: 241 events, past a cap of 5 by more than one of Redis's 100-entry nodes.
-    service = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), max_num_seqs=8)),
+    service = EngineService(lambda: load_and_warm(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8)),
                             StreamPublisher(redis_db, maxlen=5, ttl=60))
     service.start()
     try:

@@ -1,7 +1,7 @@
 """GET /v1/workers: every live worker's latest heartbeat (llmq/fleet.py says what one holds: its
 model and state (starting, ready, draining), its engine's load and capacity (running, waiting, free
 and total KV blocks, max_num_seqs, how many more requests it takes now, tokens per second), how it
-holds the model (quantization, tensor_parallel_size, pipeline_parallel_size) and the engine loop's
+holds the model (dtype, quantization, tensor_parallel_size, pipeline_parallel_size) and the engine loop's
 totals since it started), with how many of its task threads the caller's tenant holds
 (`tenant_threads`: other tenants are not shown)."""
 from flask import Blueprint

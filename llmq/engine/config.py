@@ -32,7 +32,7 @@ class EngineConfig:
 
     model: str
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # or float32, float16, bfloat16; "auto" as llmq/engine/dtype.py chooses
     block_size: int = 8
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -64,8 +64,8 @@ class EngineConfig:
                              f"got {self.pipeline_micro_batches!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"EngineConfig.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -144,10 +144,10 @@ class LLMEngine:
     # ---- figures ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """The load (running, waiting, KV blocks) and how the model is held (quantization, ranks)."""
+        """The load (running, waiting, KV blocks) and how the model is held (dtype, quantization, ranks)."""
         return {"running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
                 "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
-                "quantization": self.model_runner.budget.quantization,
+                "dtype": self.model_runner.dtype_choice.name, "quantization": self.model_runner.budget.quantization,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
                 "pipeline_parallel_size": self.config.pipeline_parallel_size}
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmq.engine.config import EngineConfig
+from llmq.engine.dtype import checkpoint_dtype, choose_dtype, cpu_native_bf16
 from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
@@ -98,7 +99,9 @@ class ModelRunner:
             raise ValueError("EngineConfig.device is cuda but torch sees no CUDA device")
         if config.num_threads or (world > 1 and self.device.type == "cpu"):  # ranks on one host share its cores
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world))
-        self.dtype = _DTYPES[config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
+        self.dtype_choice = choose_dtype(config.dtype, self.device.type, checkpoint_dtype(config.model),
+                                         cpu_native_bf16() if self.device.type == "cpu" else None)
+        self.dtype = _DTYPES[self.dtype_choice.name]
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:  # attention here is global: serve only what the window covers
             max_model_len = min(max_model_len, self.model_config.sliding_window)
@@ -118,7 +121,8 @@ class ModelRunner:
             for _ in range(self.plan.stage.num_layers)]
         self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
         self.timing = StepTiming()
-        log.info("%s%s; %d CPU threads", self.budget.describe(), self._rank_label(), torch.get_num_threads())
+        log.info("%s%s; %s (%s); %d CPU threads", self.budget.describe(), self._rank_label(), self.dtype_choice.name,
+                 self.dtype_choice.reason, torch.get_num_threads())
 
     def _rank_label(self) -> str:
         if not self.group:

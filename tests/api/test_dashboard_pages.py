@@ -218,11 +218,11 @@ def test_the_workers_page_shows_each_worker_and_the_last_hour(app, client, redis
     now = time.time()
     r.hset(WORKERS_KEY, "w1@host", json.dumps({
         "instance": "w1@host:1", "model": MODEL, "state": "ready", "at": now, "running": 3, "waiting": 1,
-        "free_blocks": 25, "total_blocks": 100, "tokens_per_s": 812.5, "quantization": "int8",
+        "free_blocks": 25, "total_blocks": 100, "tokens_per_s": 812.5, "dtype": "bfloat16", "quantization": "int8",
         "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "host": "host", "pid": 7}))
     assert fleet_history.record(r, MODEL, stale_after=30, now=now)
     page = client.get("/dashboard/workers").get_data(as_text=True)
-    assert 'data-worker="w1@host"' in page and "int8" in page and "2 × 1" in page
+    assert 'data-worker="w1@host"' in page and "int8" in page and "2 × 1" in page and "<td>bfloat16</td>" in page
     assert 'aria-valuenow="75"' in page  # 75 of 100 blocks in use
     assert "812" in page and "none running" in page  # no autoscaler
     assert page.count('<polyline class="workers"') == 1 and "1 samples" in page

@@ -167,7 +167,8 @@ def block_bytes(model_config) -> int:
 def make_llm(folder: Path, **options) -> LLM:
     # One intra-op thread: for a model this small, more threads only add synchronisation, and on a
     # busy 2-core machine OpenMP's spinning makes a step ten times slower.
-    options = {"kv_cache_bytes": ROOMY_KV_BYTES, "block_size": BLOCK_SIZE, "num_threads": 1, **options}
+    options = {"kv_cache_bytes": ROOMY_KV_BYTES, "block_size": BLOCK_SIZE, "num_threads": 1, "dtype": "float32",
+               **options}
     return LLM(str(folder), **options)
 
 

@@ -139,7 +139,7 @@ def test_reset_and_as_dict():
 
 
 def test_the_engine_counts_what_its_requests_got(stories_dir):
-    engine = LLMEngine(EngineConfig(str(stories_dir), max_num_seqs=8))
+    engine = LLMEngine(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8))
     prompts = {"a": "Once upon a time", "b": "The cat sat on the mat", "c": "Once upon a time there"}
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     seqs = {rid: engine.add_request(rid, prompt, params) for rid, prompt in prompts.items()}

@@ -40,7 +40,8 @@ LOGPROB_ATOL = 1e-4
 
 
 def generate(folder, prompts, params, **options):
-    with LLM(str(folder), kv_cache_bytes=options.pop("kv_cache_bytes", KV_CACHE_BYTES), **options) as llm:
+    kv_cache_bytes = options.pop("kv_cache_bytes", KV_CACHE_BYTES)
+    with LLM(str(folder), kv_cache_bytes=kv_cache_bytes, **{"dtype": "float32", **options}) as llm:
         return llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -92,7 +93,7 @@ def test_chunked_prefill_prefix_caching_and_preemption_under_parallelism(stories
     # stage holds fewer layers (the first, 3 of 5). Each request needs 17 blocks, 10 of them shared.
     block_bytes = {"tensor_parallel_size": 2 * 5 * 4 * 16 * 4, "pipeline_parallel_size": 2 * 3 * 4 * 32 * 4}
     reference = generate(stories_dir, prompts, params, kv_cache_bytes=32 * 2 * 5 * 4 * 32 * 4, **options)
-    with LLM(str(stories_dir), kv_cache_bytes=32 * next(block_bytes[k] for k in layout), **options, **layout) as llm:
+    with LLM(str(stories_dir), dtype="float32", kv_cache_bytes=32 * next(block_bytes[k] for k in layout), **options, **layout) as llm:
         engine = llm.engine
         assert engine.block_manager.num_blocks == 32
         preempted, cached = [], []
@@ -262,9 +263,9 @@ def test_quantized_at_load_under_parallelism_equals_one_rank(llama_for_quantizat
 
 def test_a_size_that_does_not_split_the_model_is_refused_before_any_rank_starts(stories_dir):
     with pytest.raises(ValueError, match="num_attention_heads 8"):
-        LLM(str(stories_dir), tensor_parallel_size=3)
+        LLM(str(stories_dir), dtype="float32", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="more than the model's 5 layers"):
-        LLM(str(stories_dir), pipeline_parallel_size=6)
+        LLM(str(stories_dir), dtype="float32", pipeline_parallel_size=6)
 
 
 def test_a_checkpoint_every_rank_refuses_raises_on_rank_0_and_stops_the_ranks(stories_dir, tmp_path):
@@ -276,7 +277,7 @@ def test_a_checkpoint_every_rank_refuses_raises_on_rank_0_and_stops_the_ranks(st
     weights["model.layers.1.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"][:-1]
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="up_proj.weight' has shape"):
-        LLM(str(folder), tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES)
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES)
     assert not torch.distributed.is_initialized()
-    with LLM(str(stories_dir), tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES) as llm:  # and it can start again
+    with LLM(str(stories_dir), dtype="float32", tensor_parallel_size=2, kv_cache_bytes=KV_CACHE_BYTES) as llm:  # and it can start again
         assert llm.generate("Once upon a time", greedy(4), use_tqdm=False)[0].token_ids

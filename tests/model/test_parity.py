@@ -116,7 +116,7 @@ def stories_tokenizer(stories_dir):
 
 @pytest.fixture(scope="module")
 def stories_llm(stories_dir):
-    return LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES)
+    return LLM(str(stories_dir), dtype="float32", kv_cache_bytes=KV_CACHE_BYTES)
 
 
 def test_stories_greedy_and_logprobs_match_transformers_generate(stories_llm, stories_hf, stories_tokenizer):
@@ -224,7 +224,7 @@ def check_parity(folder: Path, prompts: list[list[int]], max_tokens: int = 16, *
     """All prompts in one llmq batch; each continuation checked against transformers (loaded from
     the same folder with from_pretrained). Returns (llm, hf model, outputs) for further checks."""
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), kv_cache_bytes=KV_CACHE_BYTES, **engine_options)
+    llm = LLM(str(folder), kv_cache_bytes=KV_CACHE_BYTES, **{"dtype": "float32", **engine_options})
     outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         assert out.prompt_token_ids == prompt
@@ -441,7 +441,7 @@ def assert_refused(folder: Path, error_type: type[ValueError], *substrings: str)
     """Both the loader and the engine refuse the folder with `error_type` (a ValueError) whose
     message carries every one of `substrings`."""
     assert issubclass(error_type, ValueError)
-    for attempt in (lambda: load(folder), lambda: LLMEngine(EngineConfig(model=str(folder), kv_cache_bytes=1 << 20))):
+    for attempt in (lambda: load(folder), lambda: LLMEngine(EngineConfig(model=str(folder), dtype="float32", kv_cache_bytes=1 << 20))):
         with pytest.raises(error_type) as caught:
             attempt()
         message = str(caught.value)

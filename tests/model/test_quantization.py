@@ -28,7 +28,7 @@ KV_CACHE_BYTES = 8 << 20
 
 @pytest.fixture(scope="module")
 def float_run(stories_dir):
-    llm = LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES)
+    llm = LLM(str(stories_dir), dtype="float32", kv_cache_bytes=KV_CACHE_BYTES)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return llm, [(out.prompt_token_ids, out.token_ids) for out in outputs]
 
@@ -82,7 +82,7 @@ def test_stories_quantized_at_load_against_float32(stories_dir, float_run, metho
     float_llm, texts = float_run
     base_ppl, base_agreement = teacher_forced(float_llm, texts)
     assert base_agreement == 1.0  # the text is float32's own greedy choice
-    llm = LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES, quantization=method)
+    llm = LLM(str(stories_dir), dtype="float32", kv_cache_bytes=KV_CACHE_BYTES, quantization=method)
     ppl, agreement = teacher_forced(llm, texts)
     greedy = greedy_prefix_agreement(llm, texts)
     budget, float_budget = llm.engine.model_runner.budget, float_llm.engine.model_runner.budget
@@ -151,7 +151,7 @@ def test_a_linear_inside_a_wrapper_is_swapped_in_place(stories_dir):
 
 def test_the_memory_budget_shows_the_saving(stories_dir, float_run):
     float_budget = float_run[0].engine.model_runner.budget
-    engine = LLM(str(stories_dir), kv_cache_bytes=KV_CACHE_BYTES, quantization="int4").engine
+    engine = LLM(str(stories_dir), dtype="float32", kv_cache_bytes=KV_CACHE_BYTES, quantization="int4").engine
     budget = engine.model_runner.budget
     assert engine.stats()["quantization"] == "int4"  # what a worker's heartbeat reports
     assert float_budget.quantization is None and "unquantized" not in float_budget.describe()

@@ -90,7 +90,7 @@ def quantized_pair(folder: Path, method: str, bits: int, group_size: int, sym: b
 
 def check_against_transformers(quantized_dir: Path, plain_dir: Path, max_tokens: int = 12, **options) -> LLM:
     hf = LlamaForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
-    llm = LLM(str(quantized_dir), kv_cache_bytes=4 << 20, **options)
+    llm = LLM(str(quantized_dir), kv_cache_bytes=4 << 20, **{"dtype": "float32", **options})
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_K)
     for i, out in enumerate(llm.generate(random_prompts([5, 17, 30]), params, use_tqdm=False)):
         ref = teacher_forced_logprobs(hf, out.prompt_token_ids, out.token_ids)

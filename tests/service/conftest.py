@@ -2,6 +2,7 @@
 serving a model the project makes itself (random weights, so the tests run in any clone)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +21,18 @@ SERVED_MODEL_CONFIG = {
     "intermediate_size": 172, "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_workers():
+    """The service tier's workers compute in float32 (LLMQ_DTYPE), as do the offline engines its tests
+    compare them with: its tests check the service's greedy text equals the offline engine's,
+    character for character, though the two batch the requests differently. float32 holds that on
+    this model; bfloat16, the CPU default where it is native, rounds a product differently with the
+    batch's shape, and a near tie between two tokens can go either way."""
+    os.environ["LLMQ_DTYPE"] = "float32"
+    yield
+    os.environ.pop("LLMQ_DTYPE", None)
 
 
 @pytest.fixture(scope="session")

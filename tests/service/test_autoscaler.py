@@ -50,7 +50,7 @@ BURST = PROMPTS * 2  # 32 lines of 200 tokens: one worker of 4 sequences is busy
 def offline(served_model_dir) -> dict[str, str]:
     """Each prompt's greedy text from the offline engine, as start_batch asks for it."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = LLM(str(served_model_dir)).generate(PROMPTS, params, use_tqdm=False)
+    outputs = LLM(str(served_model_dir), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     return {prompt: output.text for prompt, output in zip(PROMPTS, outputs)}
 
 
@@ -178,7 +178,7 @@ def test_a_burst_scales_the_fleet_up_to_max_and_back_down_losing_nothing(served_
 
 def test_min_zero_starts_a_worker_for_a_waiting_request(served_model_dir, tmp_path):
     prompt = PROMPTS[0]
-    expected = LLM(str(served_model_dir)).generate(prompt, SamplingParams(temperature=0, max_tokens=20),
+    expected = LLM(str(served_model_dir), dtype="float32").generate(prompt, SamplingParams(temperature=0, max_tokens=20),
                                                    use_tqdm=False)[0].text
     with autoscaled_stack(served_model_dir, tmp_path, LLMQ_AUTOSCALE_MIN="0", LLMQ_AUTOSCALE_MAX="1") as stack, \
             httpx.Client(base_url=stack.base_url, timeout=60) as api:

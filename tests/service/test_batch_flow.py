@@ -17,7 +17,7 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "One day, Tom
 
 @pytest.fixture(scope="module")
 def offline(served_model_dir):
-    outputs = LLM(str(served_model_dir)).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    outputs = LLM(str(served_model_dir), dtype="float32").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     return {p: o.text for p, o in zip(PROMPTS, outputs)}
 
 

@@ -49,7 +49,7 @@ def test_a_killed_workers_requests_run_again_within_a_minute_with_the_default_se
     assert (lease, sweep, DEFAULTS["visibility_timeout"]) == (30, 10, 3600)
     max_tokens = 200
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    offline = {p: o.text for p, o in zip(FORTY, LLM(str(served_model_dir)).generate(FORTY, params, use_tqdm=False))}
+    offline = {p: o.text for p, o in zip(FORTY, LLM(str(served_model_dir), dtype="float32").generate(FORTY, params, use_tqdm=False))}
     with default_stack(served_model_dir, tmp_path, workers=2, LLMQ_MAX_NUM_SEQS="8") as stack, \
             httpx.Client(base_url=stack.base_url, timeout=60) as api:
         client = redis.Redis.from_url(stack.redis_url)

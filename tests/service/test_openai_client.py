@@ -18,7 +18,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def greedy(served_model_dir):
-    llm = LLM(str(served_model_dir))
+    llm = LLM(str(served_model_dir), dtype="float32")
     return lambda prompt, n: llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].text
 
 

@@ -42,7 +42,7 @@ FAULT_ENV = {"LLMQ_MAX_NUM_SEQS": "6", "LLMQ_HEARTBEAT_SECONDS": "1", "LLMQ_VISI
 @pytest.fixture(scope="module")
 def offline(served_model_dir) -> dict[str, str]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = LLM(str(served_model_dir)).generate(PROMPTS, params, use_tqdm=False)
+    outputs = LLM(str(served_model_dir), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     return {prompt: output.text for prompt, output in zip(PROMPTS, outputs)}
 
 
