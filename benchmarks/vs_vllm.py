@@ -21,8 +21,8 @@ this run in that dtype, and the machine's limit for the workload: the step-time 
 max(matmul FLOPs / the measured decode-shaped matmul rate, weight bytes / the measured copy bandwidth)
 for each decode step's batch, summed over the workload, plus its prefill at the peak rate.
 
-Time: bench-42m, both dtypes, 3 rounds: about 4 minutes here (2 cores) after vLLM's install; its
-engine takes about a minute to start per dtype. llama-1b bfloat16, 1 round: about 5 minutes.
+Time on a 2-core machine, after vLLM's install: bench-42m, both dtypes, 3 rounds: about 6 minutes (vLLM's
+engine takes 1.5-2 minutes to start, per dtype); llama-1b bfloat16, 1 round: about 5 minutes.
 Progress goes to stderr, the tables to stdout, a JSON summary as the last line (and to --json-out).
 """
 from __future__ import annotations
