@@ -59,8 +59,8 @@ def bench_model_dir() -> Path:
     return folder
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
     return 2 * size ** 3 / best

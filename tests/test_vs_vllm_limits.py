@@ -1,0 +1,52 @@
+"""The arithmetic of benchmarks/vs_vllm.py (FLOPs per token, MFU, the step and workload floors), exactly.
+No vLLM here: the benchmark installs it in a venv of its own, and CI must not."""
+import pytest
+
+from benchmarks.bigger_models import MODEL_1B_CONFIG
+from benchmarks.engine_throughput import BENCH_CONFIG
+from benchmarks.vs_vllm import matmul_params, mfu, pair_ratios, step_floor, workload_floor
+
+
+def test_matmul_params_count_the_projections_and_the_lm_head():
+    # bench-42m: 8 layers of q, o (512x512), k, v (512x256), gate, up, down (512x1536), + the tied 32000x512 head
+    assert matmul_params(BENCH_CONFIG) == 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) + 32000 * 512
+    assert matmul_params(BENCH_CONFIG) == 41_549_824  # the shared README's "2 x 41.6 M = 83 MFLOP" a token
+    # TinyLlama's shape: 22 layers, 32 heads of 64, 4 KV heads; the untied embedding table is a lookup, not counted
+    assert matmul_params(MODEL_1B_CONFIG) == 22 * (2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632) + 32000 * 2048
+    assert matmul_params(MODEL_1B_CONFIG) == 1_034_420_224
+
+
+def test_mfu_is_the_useful_tokens_matrix_work_over_the_peak():
+    assert mfu(500.0, 83_099_648, 250e9) == pytest.approx(0.166199296)
+    assert mfu(100.0, 1e8, 1e11) == pytest.approx(0.1)
+
+
+def test_a_decode_step_is_bound_by_its_matmuls_or_by_reading_the_weights():
+    memory = step_floor(64, 1e8, 2e9, 4e11, 1e10)  # 6.4 GFLOP at 400 GFLOP/s = 16 ms; 2 GB at 10 GB/s = 200 ms
+    assert memory == {"seconds": pytest.approx(0.2), "compute_s": pytest.approx(0.016),
+                      "memory_s": pytest.approx(0.2), "tokens_per_s": pytest.approx(320.0), "bound": "memory"}
+    compute = step_floor(64, 1e8, 1e8, 1e11, 1e10)  # 64 ms of matmuls, 10 ms of weights
+    assert compute["seconds"] == pytest.approx(0.064)
+    assert compute["tokens_per_s"] == pytest.approx(1000.0)
+    assert compute["bound"] == "compute"
+
+
+def test_the_workload_floor_is_its_prefill_plus_each_decode_step_at_its_batch():
+    # 40 prompt tokens x 1 GFLOP at 1 TFLOP/s = 40 ms of prefill (which gives each request its first token);
+    # then the request wanting 3 tokens decodes twice alone: each step reads 1 GB at 10 GB/s = 100 ms
+    floor = workload_floor([([7] * 10, 3), ([7] * 30, 1)], 1e9, 1e9, 1e12, 1e10, 1e12)
+    assert floor["prefill_s"] == pytest.approx(0.04)
+    assert floor["decode_s"] == pytest.approx(0.2)
+    assert floor["seconds"] == pytest.approx(0.24)
+    assert floor["tokens_per_s"] == pytest.approx(4 / 0.24)
+
+
+def test_the_decode_batch_shrinks_as_requests_finish():
+    # compute-bound (weights free): steps t=1, 2 run 2 then 1 sequences of 1 GFLOP at 1 TFLOP/s; no prompt
+    floor = workload_floor([([], 3), ([], 2)], 1e9, 0.0, 1e12, 1e10, 1e12)
+    assert floor["decode_s"] == pytest.approx(0.002 + 0.001)
+    assert floor["tokens_per_s"] == pytest.approx(5 / 0.003)
+
+
+def test_pair_ratios_divide_adjacent_rounds():
+    assert pair_ratios([300.0, 400.0], [600.0, 500.0]) == [0.5, 0.8]
