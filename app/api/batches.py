@@ -114,21 +114,30 @@ def list_batches():
     the batches created before it."""
     limit = _list_limit(request.args.get("limit"))
     after = request.args.get("after")
-    # id breaks ties between batches created in the same instant, so pages never overlap or skip.
-    query = (select(Batch).where(Batch.tenant == current_tenant())
-             .order_by(Batch.created_at.desc(), Batch.id.desc()))
     with db().read() as session:
+        cursor = None
         if after:
             cursor = session.get(Batch, after)
             if cursor is None or not owns(cursor):
                 raise APIError(400, f"after: no batch found with id '{after}' (pass the last_id of the previous page)",
                                param="after", code="invalid_value")
-            query = query.where(or_(Batch.created_at < cursor.created_at,
-                                    and_(Batch.created_at == cursor.created_at, Batch.id < cursor.id)))
-        rows = session.scalars(query.limit(limit + 1)).all()  # one more than asked says whether more exist
-        data = [batch_object(batch) for batch in rows[:limit]]
+        rows, has_more = tenant_batches(session, cursor, limit)
+        data = [batch_object(batch) for batch in rows]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def tenant_batches(session, cursor: Batch | None, limit: int) -> tuple[list[Batch], bool]:
+    """A page of the caller's batches, newest first, after `cursor` (the last batch of the previous
+    page), and whether more exist. The API's list and the dashboard's both page this way."""
+    # id breaks ties between batches created in the same instant, so pages never overlap or skip.
+    query = (select(Batch).where(Batch.tenant == current_tenant())
+             .order_by(Batch.created_at.desc(), Batch.id.desc()))
+    if cursor is not None:
+        query = query.where(or_(Batch.created_at < cursor.created_at,
+                                and_(Batch.created_at == cursor.created_at, Batch.id < cursor.id)))
+    rows = session.scalars(query.limit(limit + 1)).all()  # one more than asked says whether more exist
+    return rows[:limit], len(rows) > limit
 
 
 @blueprint.post("/batches/<batch_id>/cancel")

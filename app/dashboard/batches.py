@@ -7,12 +7,11 @@ import json
 import time
 
 from flask import redirect, render_template, request, url_for
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import func, select
 
 from app.api import batches as batches_api
 from app.api.common import db, owned, served_model, settings, tokenizer
 from app.api.files import store_upload
-from app.auth import current_tenant
 from app.dashboard.blueprint import blueprint
 from app.errors import APIError
 from app.limits import current_limits
@@ -86,18 +85,12 @@ def _refused(line_errors: list[str] | None = None, upload_error: str | None = No
 def _batch_table(after: str | None) -> dict:
     """A page of the tenant's batches, newest first, each with its progress; `after` is the last id
     of the previous page."""
-    query = (select(Batch).where(Batch.tenant == current_tenant())
-             .order_by(Batch.created_at.desc(), Batch.id.desc()))
     with db().read() as session:
-        if after:
-            cursor = owned(session, Batch, after, "batch")
-            query = query.where(or_(Batch.created_at < cursor.created_at,
-                                    and_(Batch.created_at == cursor.created_at, Batch.id < cursor.id)))
-        rows = session.scalars(query.limit(PAGE_SIZE + 1)).all()
-        page = rows[:PAGE_SIZE]
+        cursor = owned(session, Batch, after, "batch") if after else None
+        page, has_more = batches_api.tenant_batches(session, cursor, PAGE_SIZE)
     now = time.time()
     shown = [(batch, batch_progress(batch, now)) for batch in page]
-    return {"rows": shown, "next_after": page[-1].id if len(rows) > PAGE_SIZE else None, "after": after,
+    return {"rows": shown, "next_after": page[-1].id if has_more else None, "after": after,
             "live": any(batch.status in LIVE_STATES for batch in page), "model": served_model()}
 
 
