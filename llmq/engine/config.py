@@ -49,6 +49,8 @@ class EngineConfig:
     # (groups of quantization_group_size input columns). Embeddings, lm_head and norms stay as they are.
     quantization: str | None = None
     quantization_group_size: int = 128
+    # On a CPU, pack the float weight matrices once for oneDNN's products (llmq/model/cpu_prepack.py).
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",

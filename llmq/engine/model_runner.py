@@ -23,6 +23,7 @@ from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import AttentionMetadata, PrefillSpan
+from llmq.model.cpu_prepack import prepack_linears
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
 from llmq.model.quantization.transform import weight_footprint
@@ -109,6 +110,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype, max_model_len, self.plan,
                                 self.group.comm if self.group else None, quantization=config.quantization,
                                 group_size=config.quantization_group_size)
+        self.num_prepacked = (prepack_linears(self.model) if self.device.type == "cpu" and config.prepack_weights
+                              else 0)
         self.budget = self._plan_memory(max_model_len)
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:
@@ -121,8 +124,9 @@ class ModelRunner:
             for _ in range(self.plan.stage.num_layers)]
         self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
         self.timing = StepTiming()
-        log.info("%s%s; %s (%s); %d CPU threads", self.budget.describe(), self._rank_label(), self.dtype_choice.name,
-                 self.dtype_choice.reason, torch.get_num_threads())
+        packed = f"; {self.num_prepacked} weight matrices prepacked for oneDNN" if self.num_prepacked else ""
+        log.info("%s%s; %s (%s)%s; %d CPU threads", self.budget.describe(), self._rank_label(), self.dtype_choice.name,
+                 self.dtype_choice.reason, packed, torch.get_num_threads())
 
     def _rank_label(self) -> str:
         if not self.group:

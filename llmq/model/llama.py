@@ -23,6 +23,13 @@ def _weight(*shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or oneDNN's product where the weight was prepacked for a CPU (llmq/model/cpu_prepack.py)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype):
         super().__init__()
@@ -30,7 +37,7 @@ class Linear(nn.Module):
         self.bias = _weight(out_features, device=device, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmq.model.llama import Linear, LlamaForCausalLM
+from llmq.model.llama import Linear, LlamaForCausalLM, linear
 from llmq.model.model_config import ModelConfig
 from llmq.model.quantization.rtn import ColumnShard
 
@@ -182,7 +182,7 @@ class VocabParallelHead(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather(F.linear(x, self.weight))[:, : self.vocab_size]
+        return self.comm.all_gather(linear(x, self.weight, None))[:, : self.vocab_size]
 
 
 def shard_model(model: LlamaForCausalLM, shape: TensorParallelShape, comm: Communicator) -> None:

@@ -252,6 +252,11 @@ def test_gqa_with_explicit_head_dim(tmp_path):
     assert attn.o_proj.weight.shape == (64, 8 * 16)
 
 
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor, also where the engine packed it for oneDNN (llmq/model/cpu_prepack.py)."""
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
 def test_qwen2_qkv_biases(tmp_path):
     """Qwen2: q/k/v projections have biases (o_proj does not); tied embeddings, as small Qwen2s have."""
     config = small_config(Qwen2Config, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
@@ -269,8 +274,8 @@ def test_qwen2_qkv_biases(tmp_path):
     expected = torch.cat([tensors[f"model.layers.1.self_attn.{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")])
     torch.testing.assert_close(attn.qkv_proj.bias, expected, atol=0, rtol=0)
     assert attn.o_proj.bias is None
-    model = llmq_model(llm)  # tied: the embedding serves as the output matrix
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = llmq_model(llm)  # tied: the embedding's matrix serves as the output matrix (on a CPU, a packed copy)
+    assert torch.equal(dense(model.lm_head.weight), model.model.embed_tokens.weight)
 
 
 def test_untied_embeddings(tmp_path):
@@ -283,7 +288,7 @@ def test_untied_embeddings(tmp_path):
     llm, _, _ = check_parity(folder, random_prompts([9, 17], seed=3))
     model = llmq_model(llm)
     assert model.lm_head is not None
-    torch.testing.assert_close(model.lm_head.weight, tensors["lm_head.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(dense(model.lm_head.weight), tensors["lm_head.weight"], atol=0, rtol=0)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -374,7 +379,7 @@ def test_sharded_checkpoint(tmp_path):
 
     llm, _, _ = check_parity(folder, random_prompts([6, 25], seed=5))
     # Every tensor of every shard landed where it belongs.
-    params = dict(llmq_model(llm).named_parameters())
+    params = {name: dense(param) for name, param in llmq_model(llm).named_parameters()}
     config_json = json.loads((folder / "config.json").read_text())
     head_dim = config_json.get("head_dim") or 64 // config_json["num_attention_heads"]
     q_size = config_json["num_attention_heads"] * head_dim
