@@ -72,11 +72,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def run_transformers(folder: Path, requests, batch: int, repeats: int) -> list[float]:
+def run_transformers(folder: Path, requests, batch: int, repeats: int, device: str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> list[float]:
     """Seconds for each of `repeats` runs of the whole workload (fresh prompts each time) in static batches."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     times = []
     for repeat in range(repeats):
         started = time.perf_counter()
@@ -90,8 +91,10 @@ def run_transformers(folder: Path, requests, batch: int, repeats: int) -> list[f
                 for j, (prompt, _) in enumerate(chunk):  # left padding
                     ids[j, longest - len(prompt):] = torch.tensor(prompt)
                     mask[j, longest - len(prompt):] = 1
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
     return times
 

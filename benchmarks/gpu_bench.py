@@ -1,0 +1,76 @@
+"""llmq against transformers' static batching on one CUDA device, bfloat16, a 1.1 B Llama-shaped model.
+
+    python benchmarks/gpu_bench.py                      # 256 requests of the shared draw, 1 round each
+    python benchmarks/gpu_bench.py --requests 128 --rounds 2
+
+The model is the TinyLlama-shaped Llama of benchmarks/bigger_models.py (random weights, written once
+under LLMQ_HOME/bench: nothing is downloaded). The requests are ../shared/bench/README.md's draw
+(prompts of 8-128 token ids, 8-128 output tokens, greedy, EOS ignored), more of them than on a CPU so
+that the device has a batch worth running. Useful tokens/s = the output tokens asked for / the wall
+time from submission to the last result; transformers runs static batches of 16 (left padding, each
+batch to its longest request). Run by benchmarks/gpu_check.sh; prints a table and a JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bigger_models import model_1b_dir  # noqa: E402
+from benchmarks.engine_throughput import fresh_prompts, run_transformers, workload  # noqa: E402
+from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
+from llmq.engine.config import EngineConfig  # noqa: E402
+from llmq.engine.llm import LLMEngine  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16, help="transformers' static batch size")
+    parser.add_argument("--device", default="cuda:0")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench: torch sees no CUDA device")
+
+    requests = workload(n=args.requests)
+    useful = sum(o for _, o in requests)
+    folder = model_1b_dir()
+    log(f"{torch.cuda.get_device_name(args.device)}; {len(requests)} requests, {useful} useful tokens; loading llmq")
+    engine = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype="bfloat16",
+                                    enable_prefix_caching=False, max_num_seqs=256))
+    run_llmq_once(engine, fresh_prompts(requests[:16], 10_000), "warm")
+    llmq_rates = []
+    for r in range(args.rounds):
+        llmq_rates.append(useful / run_llmq_once(engine, fresh_prompts(requests, r + 1), f"r{r}"))
+        log(f"llmq round {r + 1}: {llmq_rates[-1]:.0f} useful tok/s")
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+
+    log(f"transformers, static batch {args.batch}")
+    run_transformers(folder, requests[:args.batch], args.batch, 1, args.device, torch.bfloat16)  # warm-up
+    hf_rates = [useful / s for s in run_transformers(folder, requests, args.batch, args.rounds, args.device,
+                                                     torch.bfloat16)]
+    llmq, hf = statistics.median(llmq_rates), statistics.median(hf_rates)
+    print(f"| system ({torch.cuda.get_device_name(args.device)}, bfloat16, 1.1 B) | useful tok/s |\n|---|---|")
+    print(f"| llmq | {llmq:.0f} |\n| transformers, static batch {args.batch} | {hf:.0f} |")
+    print(f"llmq / transformers: {llmq / hf:.1f}x")
+    print(json.dumps({"benchmark": "gpu_bench", "device": torch.cuda.get_device_name(args.device),
+                      "requests": len(requests), "useful_tokens": useful, "llmq_tok_s": llmq_rates,
+                      "transformers_tok_s": hf_rates, "ratio": llmq / hf}))
+
+
+if __name__ == "__main__":
+    main()

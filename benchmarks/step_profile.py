@@ -1,0 +1,164 @@
+"""Where an engine step's time goes, on the bench workload (or the 1.1 B Llama shape).
+
+    python benchmarks/step_profile.py                              # bench-42m, the dtype "auto" picks here
+    python benchmarks/step_profile.py --dtype bfloat16
+    python benchmarks/step_profile.py --model llama-1b --dtype bfloat16
+    python benchmarks/step_profile.py --no-prepack                 # F.linear's products instead of oneDNN's packed ones
+
+Two views of one engine (prefix caching off, 2 threads), after a warm-up:
+1. The whole workload (../shared/bench/README.md's draw) run once with the engine's parts timed by
+   wrappers: scheduling, building the step's inputs (lists, then tensors), the forward pass, the
+   logits, sampling, and the bookkeeping after (scheduler and output processor). The rest of step()
+   is "engine, other". Prints useful tokens/s of that run as well.
+2. The same workload again under torch.profiler, every operator of every step grouped: matrix
+   products, attention's gathers of the paged cache, attention's arithmetic, writes into the cache,
+   norms / activations / rotary, allocation and copies, sampling's reductions. Printed in ms per step.
+The profiler slows small operators down: read view 2 for shares within the forward pass, view 1 for time.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bigger_models import model_1b_dir  # noqa: E402
+from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, workload  # noqa: E402
+from llmq.engine import model_runner as model_runner_module  # noqa: E402
+from llmq.engine.config import EngineConfig  # noqa: E402
+from llmq.engine.llm import LLMEngine  # noqa: E402
+from llmq.engine.step_input import StepInput  # noqa: E402
+from llmq.sampling_params import SamplingParams  # noqa: E402
+
+MODELS = {"bench-42m": (bench_model_dir, 64), "llama-1b": (model_1b_dir, 32)}
+
+# Operator name -> group, first match wins (view 2).
+GROUPS = [
+    ("matrix products", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int",
+                         "aten::_convert_weight")),
+    ("attention: gathers", ("aten::index_select",)),
+    ("attention: arithmetic", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::masked_fill",
+                               "aten::scaled_dot_product", "aten::_scaled_dot_product")),
+    ("attention: cache writes", ("aten::index_copy",)),
+    ("sampling reductions", ("aten::amax", "aten::argmax", "aten::max", "aten::topk", "aten::sort",
+                             "aten::multinomial", "aten::_log_softmax")),
+    ("allocation, copies", ("aten::empty", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat",
+                            "aten::index", "aten::zeros", "aten::full", "aten::arange", "aten::fill_")),
+]
+
+
+def group_of(name: str) -> str:
+    for group, prefixes in GROUPS:
+        if name.startswith(prefixes):
+            return group
+    return "norms, activations, rotary, other"
+
+
+class Sections:
+    """Wall seconds spent in wrapped callables, by label (a label nested in another counts in both)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+        seconds = self.seconds
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
+    """(seconds, steps) for the whole workload, submitted at once."""
+    started, steps = time.perf_counter(), 0
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return time.perf_counter() - started, steps
+
+
+def instrument(engine: LLMEngine, sections: Sections) -> None:
+    """Time the parts of a step: wrappers on this engine's objects (and on StepInput, the module's
+    `sample`), which stay in place for the rest of the process."""
+    runner, model = engine.model_runner, engine.model_runner.model
+    sections.wrap(engine, "step", "step (all)")
+    sections.wrap(engine.scheduler, "schedule", "scheduling")
+    sections.wrap(engine.scheduler, "postprocess", "bookkeeping after the step")
+    sections.wrap(engine.output_processor, "process", "bookkeeping after the step")
+    sections.wrap(StepInput, "from_batch", "step inputs: lists")
+    sections.wrap(StepInput, "to_tensors", "step inputs: tensors")
+    sections.wrap(model, "forward", "forward pass")
+    sections.wrap(model, "compute_logits", "logits (final norm, LM head)")
+    sections.wrap(model_runner_module, "sample", "sampling")
+    del runner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="bench-42m")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--requests", type=int, default=None, help="default: 64 for bench-42m, 32 for llama-1b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-prepack", action="store_true", help="leave the weights for F.linear (MKL)")
+    parser.add_argument("--no-profiler", action="store_true", help="view 1 only")
+    args = parser.parse_args()
+
+    make_folder, default_requests = MODELS[args.model]
+    requests = workload(n=args.requests or default_requests)
+    useful = sum(o for _, o in requests)
+    engine = LLMEngine(EngineConfig(model=str(make_folder()), dtype=args.dtype, enable_prefix_caching=False,
+                                    num_threads=args.threads, prepack_weights=not args.no_prepack))
+    runner = engine.model_runner
+    print(f"{args.model}, {runner.dtype_choice.name} ({runner.dtype_choice.reason}), "
+          f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
+          f"{len(requests)} requests, {useful} useful tokens", flush=True)
+    run_workload(engine, fresh_prompts(requests[:8], 10_000), "warm")
+
+    sections = Sections()
+    instrument(engine, sections)
+    seconds, steps = run_workload(engine, fresh_prompts(requests, 1), "timed")
+    total = sections.seconds["step (all)"]
+    accounted = sum(v for k, v in sections.seconds.items() if k != "step (all)")
+    print(f"\n## 1. the workload's {steps} steps, timed: {seconds:.2f} s, {useful / seconds:.1f} useful tok/s\n")
+    print("| part | ms per step | share of step() |\n|---|---|---|")
+    rows = sorted(((k, v) for k, v in sections.seconds.items() if k != "step (all)"), key=lambda kv: -kv[1])
+    for label, value in [*rows, ("engine, other", total - accounted)]:
+        print(f"| {label} | {value / steps * 1e3:.2f} | {value / total:.1%} |")
+
+    if args.no_profiler:
+        return
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, profiled_steps = run_workload(engine, fresh_prompts(requests, 2), "profiled")
+    groups: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        groups[group_of(event.key)] += event.self_cpu_time_total / 1e3
+        top[event.key] += event.self_cpu_time_total / 1e3
+    operators = sum(groups.values())
+    print(f"\n## 2. operators over the workload's {profiled_steps} steps (under the profiler)\n")
+    print("| group | ms per step | share of operator time |\n|---|---|---|")
+    for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"| {group} | {ms / profiled_steps:.2f} | {ms / operators:.1%} |")
+    print("\nlargest operators: " + ", ".join(f"{name} {ms / profiled_steps:.2f} ms"
+                                               for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:8]))
+
+
+if __name__ == "__main__":
+    main()
