@@ -97,7 +97,7 @@ def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
 def instrument(engine: LLMEngine, sections: Sections) -> None:
     """Time the parts of a step: wrappers on this engine's objects (and on StepInput, the module's
     `sample`), which stay in place for the rest of the process."""
-    runner, model = engine.model_runner, engine.model_runner.model
+    model = engine.model_runner.model
     sections.wrap(engine, "step", "step (all)")
     sections.wrap(engine.scheduler, "schedule", "scheduling")
     sections.wrap(engine.scheduler, "postprocess", "bookkeeping after the step")
@@ -107,7 +107,6 @@ def instrument(engine: LLMEngine, sections: Sections) -> None:
     sections.wrap(model, "forward", "forward pass")
     sections.wrap(model, "compute_logits", "logits (final norm, LM head)")
     sections.wrap(model_runner_module, "sample", "sampling")
-    del runner
 
 
 def main() -> None:
