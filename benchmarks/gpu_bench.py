@@ -1,7 +1,8 @@
-"""llmq against transformers' static batching on one CUDA device, bfloat16, a 1.1 B Llama-shaped model.
+"""llmq against transformers' static batching on one device (a CUDA GPU), bfloat16, a 1.1 B Llama-shaped model.
 
     python benchmarks/gpu_bench.py                      # 256 requests of the shared draw, 1 round each
     python benchmarks/gpu_bench.py --requests 128 --rounds 2
+    python benchmarks/gpu_bench.py --device cpu --model bench-42m --dtype float32 --requests 16   # a smoke run
 
 The model is the TinyLlama-shaped Llama of benchmarks/bigger_models.py (random weights, written once
 under LLMQ_HOME/bench: nothing is downloaded). The requests are ../shared/bench/README.md's draw
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bigger_models import model_1b_dir  # noqa: E402
-from benchmarks.engine_throughput import fresh_prompts, run_transformers, workload  # noqa: E402
+from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, run_transformers, workload  # noqa: E402
 from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
@@ -40,15 +41,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16, help="transformers' static batch size")
     parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--model", choices=["llama-1b", "bench-42m"], default="llama-1b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: torch sees no CUDA device")
+    name = torch.cuda.get_device_name(args.device) if on_cuda else "cpu"
 
     requests = workload(n=args.requests)
     useful = sum(o for _, o in requests)
-    folder = model_1b_dir()
-    log(f"{torch.cuda.get_device_name(args.device)}; {len(requests)} requests, {useful} useful tokens; loading llmq")
-    engine = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype="bfloat16",
+    folder = model_1b_dir() if args.model == "llama-1b" else bench_model_dir()
+    log(f"{name}; {args.model}; {len(requests)} requests, {useful} useful tokens; loading llmq")
+    engine = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
                                     enable_prefix_caching=False, max_num_seqs=256))
     run_llmq_once(engine, fresh_prompts(requests[:16], 10_000), "warm")
     llmq_rates = []
@@ -57,17 +62,18 @@ def main() -> None:
         log(f"llmq round {r + 1}: {llmq_rates[-1]:.0f} useful tok/s")
     engine.close()
     del engine
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
 
     log(f"transformers, static batch {args.batch}")
-    run_transformers(folder, requests[:args.batch], args.batch, 1, args.device, torch.bfloat16)  # warm-up
-    hf_rates = [useful / s for s in run_transformers(folder, requests, args.batch, args.rounds, args.device,
-                                                     torch.bfloat16)]
+    dtype = getattr(torch, args.dtype)
+    run_transformers(folder, requests[:args.batch], args.batch, 1, args.device, dtype)  # warm-up
+    hf_rates = [useful / s for s in run_transformers(folder, requests, args.batch, args.rounds, args.device, dtype)]
     llmq, hf = statistics.median(llmq_rates), statistics.median(hf_rates)
-    print(f"| system ({torch.cuda.get_device_name(args.device)}, bfloat16, 1.1 B) | useful tok/s |\n|---|---|")
+    print(f"| system ({name}, {args.dtype}, {args.model}) | useful tok/s |\n|---|---|")
     print(f"| llmq | {llmq:.0f} |\n| transformers, static batch {args.batch} | {hf:.0f} |")
     print(f"llmq / transformers: {llmq / hf:.1f}x")
-    print(json.dumps({"benchmark": "gpu_bench", "device": torch.cuda.get_device_name(args.device),
+    print(json.dumps({"benchmark": "gpu_bench", "device": name, "model": args.model,
                       "requests": len(requests), "useful_tokens": useful, "llmq_tok_s": llmq_rates,
                       "transformers_tok_s": hf_rates, "ratio": llmq / hf}))
 

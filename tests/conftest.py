@@ -4,13 +4,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import redis
 
-from llmq.embedded_redis import start_redis_server, wait_for_redis
-from llmq.events import DeltaEvent
-from stack.local import free_port
+if TYPE_CHECKING:
+    from llmq.events import DeltaEvent
 
 REPO = Path(__file__).resolve().parents[1]
 # Shipped with the tests (MIT; its LICENSE and SOURCE.md beside it), so every clone has it.
@@ -27,6 +26,11 @@ def stories_dir() -> Path:
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
     """A real redis-server of the module's own, on a free port."""
+    # Imported here, not at the top: the gpu tests run where only torch and the engine's packages are
+    # installed (benchmarks/gpu_check.sh), and need none of the service's.
+    from llmq.embedded_redis import start_redis_server, wait_for_redis
+    from stack.local import free_port
+
     port = free_port()
     server = start_redis_server(tmp_path_factory.mktemp("redis"), port, daemonize=False)
     url = f"redis://127.0.0.1:{port}/0"
@@ -41,6 +45,8 @@ def redis_url(tmp_path_factory):
 @pytest.fixture
 def redis_db(redis_url):
     """A client of the module's Redis, emptied for the test."""
+    import redis
+
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     yield client
@@ -49,6 +55,8 @@ def redis_db(redis_url):
 
 def token_event(token_id: int) -> DeltaEvent:
     """A delta event of one token, as workers write them (llmq/events.py)."""
+    from llmq.events import DeltaEvent
+
     return DeltaEvent(0, f"t{token_id}", (token_id,))
 
 
