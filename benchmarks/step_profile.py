@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bigger_models import model_1b_dir  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, workload  # noqa: E402
+from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
 from llmq.engine import model_runner as model_runner_module  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
 from llmq.engine.step_input import StepInput  # noqa: E402
-from llmq.sampling_params import SamplingParams  # noqa: E402
 
 MODELS = {"bench-42m": (bench_model_dir, 64), "llama-1b": (model_1b_dir, 32)}
 
@@ -83,15 +83,10 @@ class Sections:
 
 
 def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
-    """(seconds, steps) for the whole workload, submitted at once."""
-    started, steps = time.perf_counter(), 0
-    for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return time.perf_counter() - started, steps
+    """(seconds, model steps) for the whole workload, submitted at once."""
+    steps_before = engine.model_runner.timing.steps
+    seconds = run_llmq_once(engine, requests, tag)
+    return seconds, engine.model_runner.timing.steps - steps_before
 
 
 def instrument(engine: LLMEngine, sections: Sections) -> None:

@@ -51,7 +51,7 @@ from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, matmul_
 from llmq.bootstrap import llmq_home  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
-from llmq.model.cpu_prepack import prepack_supported  # noqa: E402
+from llmq.model.cpu_prepack import ROWS_HINT, prepack_supported  # noqa: E402
 from llmq.model.llama import linear  # noqa: E402
 from llmq.sampling_params import SamplingParams  # noqa: E402
 
@@ -126,7 +126,7 @@ def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: i
     a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
     products = [lambda: torch.mm(a, b)]
     if prepack_supported(dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), rows)
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t(), ROWS_HINT)
         products.append(lambda: linear(a, packed, None))
     best = float("inf")
     for product in products:

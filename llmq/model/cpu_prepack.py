@@ -41,8 +41,7 @@ def prepack_linears(model: nn.Module) -> int:
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
                and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and prepack_supported(m.weight.dtype)]
     with torch.no_grad():
-        for module in modules:
-            dense = module.weight.data.contiguous()
-            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, ROWS_HINT),
+        for module in modules:  # the reorder reads any layout (the loader's input-major view included)
+            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(module.weight.data, ROWS_HINT),
                                          requires_grad=False)
     return len(modules)
