@@ -1,15 +1,23 @@
 """Shared fixtures for the test suite."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 if TYPE_CHECKING:
     from llmq.events import DeltaEvent
+
+# Without CUDA, the Triton attention kernel runs in Triton's interpreter. Triton reads this when its
+# kernels (its own library's among them) are defined, at its first import, which some test's
+# dependency may make before ours: so here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 # Shipped with the tests (MIT; its LICENSE and SOURCE.md beside it), so every clone has it.
@@ -73,8 +81,6 @@ def migrated_db(tmp_path_factory) -> Path:
 def pytest_collection_modifyitems(config, items):
     """Every test gets its tier's marker (README: `pytest -m "not service"` is the fast loop), and
     tests marked `gpu` skip, saying so, where torch sees no CUDA device (`gpu2`: fewer than two)."""
-    import torch
-
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skips = {"gpu": None if devices >= 1 else pytest.mark.skip(
                  reason="needs a CUDA device (marked gpu); torch sees none here"),

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 # Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
 QUANTIZATION_METHODS = ("int8", "int4")
+# How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _is_int(value) -> bool:
@@ -51,6 +53,10 @@ class EngineConfig:
     quantization_group_size: int = 128
     # On a CPU, pack the float weight matrices once for oneDNN's products (llmq/model/cpu_prepack.py).
     prepack_weights: bool = True
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # On CUDA (one device, no parallelism), replay decode-only steps from CUDA graphs captured at start,
+    # one per batch-size bucket (llmq/engine/decode_graphs.py). False: every step eager.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
@@ -70,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llmq.engine.scheduler import ScheduledBatch
-from llmq.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, block_rows
+from llmq.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSpan, block_rows
+from llmq.model.device_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,18 @@ class StepInput:
                    [last_token_row[batch.logits_rows[i]] for i in sampler_indices], sampler_indices,
                    list(batch.block_copies) if with_block_copies else [])
 
-    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int):
-        """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`."""
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_decodes: bool = False):
+        """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`
+        heads and `num_blocks` blocks. `paged_decodes`: the decodes as one PagedDecodes (the "triton"
+        attention backend) instead of gather groups."""
+        def tensor(values, dtype=torch.long) -> torch.Tensor:
+            return to_device(values, device, dtype)
 
-        groups = []
-        for g in self.decodes:
+        groups, kernel_decodes = [], None
+        if paged_decodes and self.decodes:
+            tables, lengths = self.decode_block_tables()
+            kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32))
+        for g in self.decodes if kernel_decodes is None else ():
             lengths = tensor(g.lengths)
             width = len(g.block_tables[0]) * block_size
             pad_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # [N, width]
@@ -93,8 +99,19 @@ class StepInput:
                              None if s.context_blocks is None else
                              block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks))
                  for s in self.prefills]
-        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans)
+        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes)
         return tensor(self.input_ids), tensor(self.positions), meta
+
+    def decode_block_tables(self) -> tuple[list[list[int]], list[int]]:
+        """Every decode's block table, padded with block 0 to the widest, and context length, in row order."""
+        width = max(len(g.block_tables[0]) for g in self.decodes)
+        tables = [t + [0] * (width - len(t)) for g in self.decodes for t in g.block_tables]
+        return tables, [n for g in self.decodes for n in g.lengths]
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every row a single-token decode, nothing to copy first: the steps CUDA graphs replay."""
+        return not self.prefills and not self.block_copies and bool(self.decodes)
 
 
 def micro_batches(batch: ScheduledBatch, block_size: int, count: int) -> list[StepInput]:

@@ -5,9 +5,17 @@ position p of a sequence lives at slot block_table[p // block_size] * block_size
 Head-major, so gathering a sequence's blocks yields each head's keys contiguously: the products
 read them in place instead of copying them into another layout.
 A step's tokens come ordered as: the single-token decodes (in groups), then the prompt chunks.
+
+Two ways to attend for the decodes (EngineConfig.attention_backend): "torch" gathers each group's blocks and
+multiplies (DecodeGroup); "triton" hands all of them to one kernel that reads the cache through the
+block tables in place (PagedDecodes, llmq/model/triton_attention.py), for CUDA, where it also keeps a
+decode step's shapes fixed for CUDA graphs. Prompt chunks take SDPA either way (its flash kernel on
+CUDA for a fresh prompt).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +46,37 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecodes:
+    """All of a step's `num_tokens` decodes (rows [0, num_tokens)), for the kernel that reads the cache
+    through their block tables."""
+
+    num_tokens: int
+    block_tables: torch.Tensor  # int32 [N, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # int32 [N], this token included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" backend
+
+
+def choose_attention_backend(requested: str, device_type: str) -> str:
+    """"auto", "torch" or "triton" -> the backend to use. "auto": the kernel on CUDA where Triton is
+    installed (torch's CUDA builds ship it), else torch. Triton on a CPU runs only in its interpreter,
+    which the tests use to check the kernel."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if requested == "auto":
+        return "triton" if device_type == "cuda" and has_triton else "torch"
+    if requested == "triton" and not has_triton:
+        raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
+    if requested == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention backend 'triton' runs on a CPU only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1), which is for tests; use 'torch' or 'auto' on a CPU")
+    return requested
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,6 +109,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns [T, H * Dh]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if meta.paged_decodes is not None:
+        # Imported here: triton is optional, and only this backend needs it.
+        from llmq.model.triton_attention import paged_decode_attention
+
+        decodes = meta.paged_decodes
+        paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables, decodes.context_lens,
+                               meta.block_size, scale, out[: decodes.num_tokens])
     for group in meta.decodes:
         rows = slice(group.token_start, group.token_start + group.num_tokens)
         n = group.num_tokens
