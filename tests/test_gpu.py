@@ -1,12 +1,15 @@
 """The device path: the engine on CUDA. Marked `gpu`; skipped on machines without CUDA.
 
 float32 on the device keeps greedy parity exact against transformers; bfloat16 (the CUDA default) is
-checked for running cleanly and freeing its blocks."""
+checked for running cleanly and freeing its blocks. CUDA graphs and the Triton kernel must generate
+what eager steps and the torch path do, and sampling must not wait for the device."""
 import pytest
 import torch
 
 from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM, LLMEngine
+from llmq.engine.sequence import Sequence
+from llmq.model.sampler import sample_tokens
 from llmq.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +53,52 @@ def test_cuda_bfloat16_runs_and_frees_blocks(stories_dir):
         finished += sum(d.finished for d in engine.step())
     assert finished == 2 * len(PROMPTS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graphs_generate_what_eager_steps_do(stories_dir, hf_greedy, backend):
+    """Greedy float32 through captured decode graphs (batch sizes that pad: 5 requests in the bucket of
+    8, then fewer as they finish) equals transformers, as the eager steps do."""
+    prompts = PROMPTS + PROMPTS[:1]
+    lengths = [48, 40, 33, 20, 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(str(stories_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=16,
+                  cuda_graphs=graphs, attention_backend=backend)
+        runner = llm.engine.model_runner
+        assert runner.attention_backend == backend
+        assert (runner.decode_graphs is not None) == graphs
+        runs[graphs] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[True] == runs[False]
+    for prompt, n, tokens in zip(prompts, lengths, runs[True]):
+        assert tokens == hf_greedy[prompt][:n]
+
+
+def test_cuda_bfloat16_graphs_and_kernel_run_and_free_blocks(stories_dir):
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), device="cuda", max_num_seqs=32))
+    assert engine.model_runner.attention_backend == "triton" and engine.model_runner.decode_graphs is not None
+    for i in range(20):
+        engine.add_request(f"r{i}", PROMPTS[i % 4], SamplingParams(temperature=0.8, seed=i, max_tokens=24 + i))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sampling_leaves_the_tokens_on_the_device_without_waiting(stories_dir):
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0.9, top_p=0.8, seed=3)]
+    seqs = [Sequence(f"s{i}", [1, 2, 3], p) for i, p in enumerate(params)]
+    logits = torch.randn(len(seqs), 512, device="cuda")
+    sample_tokens(logits, seqs)  # the first call makes the generators
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_tokens(logits, seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.device.type == "cuda" and tokens.shape == (len(seqs),)
+    assert tokens[0].item() == logits[0].argmax().item()
 
 
 @pytest.mark.gpu2

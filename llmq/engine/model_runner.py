@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 from llmq.engine.config import EngineConfig
+from llmq.engine.decode_graphs import DecodeGraphs
 from llmq.engine.dtype import checkpoint_dtype, choose_dtype, cpu_native_bf16
 from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
-from llmq.model.attention import AttentionMetadata, PrefillSpan
+from llmq.model.attention import AttentionMetadata, PrefillSpan, choose_attention_backend
 from llmq.model.cpu_prepack import prepack_linears
+from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
 from llmq.model.quantization.transform import weight_footprint
@@ -116,8 +118,12 @@ class ModelRunner:
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:
             log.warning("context capped at %d tokens: the KV cache holds no more", self.max_model_len)
+        self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type)
         local = self.plan.local_config
-        kv_shape = (local.num_key_value_heads, self.budget.num_token_slots, local.head_dim)
+        # One block more than the block manager hands out: the scratch block that the padding rows of
+        # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
+        self.num_cache_blocks = self.budget.num_blocks + 1
+        kv_shape = (local.num_key_value_heads, self.num_cache_blocks * self.block_size, local.head_dim)
         self.kv_caches = [
             (torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
              torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
@@ -125,8 +131,34 @@ class ModelRunner:
         self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
         self.timing = StepTiming()
         packed = f"; {self.num_prepacked} weight matrices prepacked for oneDNN" if self.num_prepacked else ""
-        log.info("%s%s; %s (%s)%s; %d CPU threads", self.budget.describe(), self._rank_label(), self.dtype_choice.name,
-                 self.dtype_choice.reason, packed, torch.get_num_threads())
+        log.info("%s%s; %s (%s)%s; %s attention; %d CPU threads", self.budget.describe(), self._rank_label(),
+                 self.dtype_choice.name, self.dtype_choice.reason, packed, self.attention_backend,
+                 torch.get_num_threads())
+        self.decode_graphs = (self._capture_decode_graphs()
+                              if self.device.type == "cuda" and config.cuda_graphs and world == 1 else None)
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static buffers (and, with `capture`, CUDA graphs) for decode-only steps of up to max_num_seqs
+        sequences over this runner's model and cache; the scratch block is the cache's last."""
+        return DecodeGraphs(self.model, self.kv_caches, max_batch=self.config.max_num_seqs,
+                            max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
+                            num_cache_blocks=self.num_cache_blocks, scratch_block=self.num_cache_blocks - 1,
+                            num_kv_heads=self.plan.local_config.num_key_value_heads,
+                            paged_kernel=self.attention_backend == "triton", device=self.device, capture=capture)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        graphs = self.make_decode_graphs(capture=True)
+        reserved = torch.cuda.memory_reserved(self.device)
+        try:
+            with torch.inference_mode():
+                seconds = graphs.capture_all()
+        except Exception as err:  # a model part that cannot be captured: slower, not broken
+            log.warning("CUDA graphs not captured, every step runs eagerly: %s: %s", type(err).__name__, err)
+            return None
+        log.info("captured %d CUDA graphs for decode steps of 1-%d sequences in %.1f s (%.0f MiB)",
+                 len(graphs.buckets), graphs.buckets[-1], seconds,
+                 (torch.cuda.memory_reserved(self.device) - reserved) / _MIB)
+        return graphs
 
     def _rank_label(self) -> str:
         if not self.group:
@@ -228,13 +260,19 @@ class ModelRunner:
         """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the float32
         logits of every sampler of the batch [S, vocab] in the batch's order; None elsewhere."""
         started = time.perf_counter()
+        if self.decode_graphs is not None and len(steps) == 1 and self.decode_graphs.accepts(steps[0]):
+            logits = self.decode_graphs.run(steps[0])
+            self.timing.steps += 1
+            self.timing.step_seconds += time.perf_counter() - started
+            self.timing.busy_seconds += time.perf_counter() - started
+            return logits
         if steps[0].block_copies:
             self._copy_blocks(steps[0].block_copies)
         stage, local = self.plan.stage, self.plan.local_config
         sends, logits = [], []
         for step in steps:
-            input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads,
-                                                         self.budget.num_blocks, self.block_size)
+            input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
+                                                         self.block_size, self.attention_backend == "triton")
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))
             computing = time.perf_counter()
@@ -243,7 +281,7 @@ class ModelRunner:
                 self.timing.busy_seconds += time.perf_counter() - computing
                 sends.append(dist.isend(hidden, dst=self.group.rank_of(stage.stage + 1)))
                 continue
-            step_logits = (self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+            step_logits = (self.model.compute_logits(hidden[to_device(step.sample_rows, self.device)])
                            if step.sample_rows else None)
             self.timing.busy_seconds += time.perf_counter() - computing
             if step_logits is not None and self.rank == 0:
@@ -265,7 +303,7 @@ class ModelRunner:
         ordered = torch.empty(sum(len(s.sampler_indices) for s in steps), self.model_config.vocab_size,
                               device=self.device)
         for step, part in zip((s for s in steps if s.sample_rows), logits):
-            ordered[torch.tensor(step.sampler_indices, device=self.device)] = part
+            ordered[to_device(step.sampler_indices, self.device)] = part
         return ordered
 
     def _receive(self, rows: int, width: int, dtype: torch.dtype, source: int) -> torch.Tensor:
