@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--model", choices=["llama-1b", "bench-42m"], default="llama-1b")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs: every llmq step eager")
+    parser.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto",
+                        help="llmq's attention backend for decodes")
     args = parser.parse_args()
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
@@ -54,7 +57,11 @@ def main() -> None:
     folder = model_1b_dir() if args.model == "llama-1b" else bench_model_dir()
     log(f"{name}; {args.model}; {len(requests)} requests, {useful} useful tokens; loading llmq")
     engine = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
-                                    enable_prefix_caching=False, max_num_seqs=256))
+                                    enable_prefix_caching=False, max_num_seqs=256, cuda_graphs=not args.eager,
+                                    attention_backend=args.attention))
+    runner = engine.model_runner
+    path = f"{runner.attention_backend} attention, {'CUDA graphs' if runner.decode_graphs else 'eager steps'}"
+    log(f"llmq: {path}")
     run_llmq_once(engine, fresh_prompts(requests[:16], 10_000), "warm")
     llmq_rates = []
     for r in range(args.rounds):
@@ -71,9 +78,9 @@ def main() -> None:
     hf_rates = [useful / s for s in run_transformers(folder, requests, args.batch, args.rounds, args.device, dtype)]
     llmq, hf = statistics.median(llmq_rates), statistics.median(hf_rates)
     print(f"| system ({name}, {args.dtype}, {args.model}) | useful tok/s |\n|---|---|")
-    print(f"| llmq | {llmq:.0f} |\n| transformers, static batch {args.batch} | {hf:.0f} |")
+    print(f"| llmq ({path}) | {llmq:.0f} |\n| transformers, static batch {args.batch} | {hf:.0f} |")
     print(f"llmq / transformers: {llmq / hf:.1f}x")
-    print(json.dumps({"benchmark": "gpu_bench", "device": name, "model": args.model,
+    print(json.dumps({"benchmark": "gpu_bench", "device": name, "model": args.model, "llmq_path": path,
                       "requests": len(requests), "useful_tokens": useful, "llmq_tok_s": llmq_rates,
                       "transformers_tok_s": hf_rates, "ratio": llmq / hf}))
 

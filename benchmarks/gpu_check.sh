@@ -22,7 +22,9 @@ fi
 print('gpu_check:', torch.__version__, torch.cuda.get_device_name(0))"
 
 echo "== the gpu tests"
-timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/test_gpu.py tests/model
+timeout 170 "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/test_gpu.py tests/model
+echo "== the Triton kernel compiled for the GPU, against the torch path"
+timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider tests/model/test_triton_attention.py
 echo "== llmq against transformers on the GPU"
-timeout 260 "$PYTHON" benchmarks/gpu_bench.py "$@"
+timeout 240 "$PYTHON" benchmarks/gpu_bench.py "$@"
 echo "gpu_check: done in $(( $(date +%s) - started )) s"
