@@ -26,7 +26,7 @@ import time
 import torch
 
 from llmq.engine.step_input import StepInput
-from llmq.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, block_rows
+from llmq.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes
 from llmq.model.device_copy import to_device
 
 
@@ -105,10 +105,8 @@ class DecodeGraphs:
         if self.paged_kernel:
             meta = AttentionMetadata(self.slots[:rows], self.block_size, [], [], PagedDecodes(rows, tables, lengths))
         else:
-            width = tables.shape[1] * self.block_size
-            pad_mask = torch.arange(width, device=self.device)[None, :] >= lengths[:, None]  # [rows, width]
-            cache_rows = block_rows(tables.long(), self.num_kv_heads, self.num_cache_blocks)
-            meta = AttentionMetadata(self.slots[:rows], self.block_size,
-                                     [DecodeGroup(0, rows, cache_rows, pad_mask[None, :, None, :])], [])
+            group = DecodeGroup.over(0, tables.long(), lengths, self.num_kv_heads, self.num_cache_blocks,
+                                     self.block_size)
+            meta = AttentionMetadata(self.slots[:rows], self.block_size, [group], [])
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
         return self.model.compute_logits(hidden)

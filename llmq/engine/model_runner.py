@@ -262,9 +262,10 @@ class ModelRunner:
         started = time.perf_counter()
         if self.decode_graphs is not None and len(steps) == 1 and self.decode_graphs.accepts(steps[0]):
             logits = self.decode_graphs.run(steps[0])
+            seconds = time.perf_counter() - started
             self.timing.steps += 1
-            self.timing.step_seconds += time.perf_counter() - started
-            self.timing.busy_seconds += time.perf_counter() - started
+            self.timing.step_seconds += seconds
+            self.timing.busy_seconds += seconds  # one rank: all of it computing
             return logits
         if steps[0].block_copies:
             self._copy_blocks(steps[0].block_copies)

@@ -88,13 +88,9 @@ class StepInput:
         if paged_decodes and self.decodes:
             tables, lengths = self.decode_block_tables()
             kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32))
-        for g in self.decodes if kernel_decodes is None else ():
-            lengths = tensor(g.lengths)
-            width = len(g.block_tables[0]) * block_size
-            pad_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # [N, width]
-            groups.append(DecodeGroup(g.token_start, len(g.lengths),
-                                      block_rows(tensor(g.block_tables), num_kv_heads, num_blocks),
-                                      pad_mask[None, :, None, :]))
+        else:
+            groups = [DecodeGroup.over(g.token_start, tensor(g.block_tables), tensor(g.lengths), num_kv_heads,
+                                       num_blocks, block_size) for g in self.decodes]
         spans = [PrefillSpan(s.token_start, s.num_tokens, s.num_cached,
                              None if s.context_blocks is None else
                              block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks))

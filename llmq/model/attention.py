@@ -44,6 +44,16 @@ class DecodeGroup:
     cache_rows: torch.Tensor  # block_rows() of the [N, max_blocks] block tables, padded with block 0
     pad_mask: torch.Tensor  # [1, N, 1, max_blocks * block_size], True on padding
 
+    @classmethod
+    def over(cls, token_start: int, block_tables: torch.Tensor, lengths: torch.Tensor, num_kv_heads: int,
+             num_blocks: int, block_size: int) -> "DecodeGroup":
+        """The group of block tables [N, max_blocks] (long) and context lengths [N], both on the device,
+        over a cache of `num_kv_heads` heads and `num_blocks` blocks."""
+        width = block_tables.shape[1] * block_size
+        pad_mask = torch.arange(width, device=lengths.device)[None, :] >= lengths[:, None]  # [N, width]
+        return cls(token_start, block_tables.shape[0], block_rows(block_tables, num_kv_heads, num_blocks),
+                   pad_mask[None, :, None, :])
+
 
 @dataclass
 class PagedDecodes:
