@@ -4,6 +4,7 @@
     python benchmarks/step_profile.py --dtype bfloat16
     python benchmarks/step_profile.py --model llama-1b --dtype bfloat16
     python benchmarks/step_profile.py --no-prepack                 # F.linear's products instead of oneDNN's packed ones
+    python benchmarks/step_profile.py --async-scheduling --no-profiler   # each step launched before the last is read
 
 Two views of one engine (prefix caching off, 2 threads), after a warm-up:
 1. The whole workload (../shared/bench/README.md's draw) run once with the engine's parts timed by
@@ -32,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bigger_models import model_1b_dir  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, workload  # noqa: E402
 from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
-from llmq.engine import model_runner as model_runner_module  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
 from llmq.engine.step_input import StepInput  # noqa: E402
+from llmq.model.sampler import SampledStep  # noqa: E402
 
 MODELS = {"bench-42m": (bench_model_dir, 64), "llama-1b": (model_1b_dir, 32)}
 
@@ -90,18 +91,20 @@ def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
 
 
 def instrument(engine: LLMEngine, sections: Sections) -> None:
-    """Time the parts of a step: wrappers on this engine's objects (and on StepInput, the module's
-    `sample`), which stay in place for the rest of the process."""
+    """Time the parts of a step: wrappers on this engine's objects (and on the classes StepInput and
+    SampledStep), which stay in place for the rest of the process."""
     model = engine.model_runner.model
     sections.wrap(engine, "step", "step (all)")
     sections.wrap(engine.scheduler, "schedule", "scheduling")
-    sections.wrap(engine.scheduler, "postprocess", "bookkeeping after the step")
+    sections.wrap(engine.scheduler, "launched", "bookkeeping after the step")
+    sections.wrap(engine.scheduler, "append_tokens", "bookkeeping after the step")
     sections.wrap(engine.output_processor, "process", "bookkeeping after the step")
     sections.wrap(StepInput, "from_batch", "step inputs: lists")
     sections.wrap(StepInput, "to_tensors", "step inputs: tensors")
     sections.wrap(model, "forward", "forward pass")
     sections.wrap(model, "compute_logits", "logits (final norm, LM head)")
-    sections.wrap(model_runner_module, "sample", "sampling")
+    sections.wrap(SampledStep, "launch", "sampling")
+    sections.wrap(SampledStep, "result", "sampling")
 
 
 def main() -> None:
@@ -112,16 +115,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-prepack", action="store_true", help="leave the weights for F.linear (MKL)")
     parser.add_argument("--no-profiler", action="store_true", help="view 1 only")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each step before reading the last one's tokens (the CUDA default)")
     args = parser.parse_args()
 
     make_folder, default_requests = MODELS[args.model]
     requests = workload(n=args.requests or default_requests)
     useful = sum(o for _, o in requests)
     engine = LLMEngine(EngineConfig(model=str(make_folder()), dtype=args.dtype, enable_prefix_caching=False,
-                                    num_threads=args.threads, prepack_weights=not args.no_prepack))
+                                    num_threads=args.threads, prepack_weights=not args.no_prepack,
+                                    async_scheduling=args.async_scheduling))
     runner = engine.model_runner
     print(f"{args.model}, {runner.dtype_choice.name} ({runner.dtype_choice.reason}), "
           f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
+          f"{'async' if engine.async_scheduling else 'plain'} scheduling, "
           f"{len(requests)} requests, {useful} useful tokens", flush=True)
     run_workload(engine, fresh_prompts(requests[:8], 10_000), "warm")
 

@@ -9,7 +9,7 @@ import torch
 from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM, LLMEngine
 from llmq.engine.sequence import Sequence
-from llmq.model.sampler import sample_tokens
+from llmq.model.sampler import SampledStep, sample_tokens
 from llmq.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -90,15 +90,40 @@ def test_sampling_leaves_the_tokens_on_the_device_without_waiting(stories_dir):
               SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0.9, top_p=0.8, seed=3)]
     seqs = [Sequence(f"s{i}", [1, 2, 3], p) for i, p in enumerate(params)]
     logits = torch.randn(len(seqs), 512, device="cuda")
-    sample_tokens(logits, seqs)  # the first call makes the generators
+    SampledStep.launch(logits, seqs).result()  # the first call makes the generators and the pinned buffer
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         tokens = sample_tokens(logits, seqs)
+        launched = SampledStep.launch(logits, seqs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.device.type == "cuda" and tokens.shape == (len(seqs),)
     assert tokens[0].item() == logits[0].argmax().item()
+    token_ids, logprobs = launched.result()
+    assert token_ids[0] == tokens[0].item() and logprobs == [None] * len(seqs)
+
+
+def test_cuda_async_scheduling_generates_what_the_plain_loop_does(stories_dir):
+    """On CUDA async scheduling is the default; the plain loop (launch, then read the tokens) must give
+    the same tokens, text and finish reasons, sampled, with stops and n > 1, through graphs. (The
+    logprobs are compared loosely: a finishing sequence's extra step changes the batch's shape, and with
+    it cuBLAS's choice of kernel.)"""
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=33, n=2),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=6, max_tokens=48, stop=["."]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    runs, logprobs = {}, {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(stories_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=16,
+                  async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling is async_scheduling and llm.engine.model_runner.decode_graphs is not None
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runs[async_scheduling] = [[(o.token_ids, o.text, o.finish_reason) for o in out.outputs] for out in outputs]
+        logprobs[async_scheduling] = [lp.logprob for lp in outputs[0].logprobs]
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert runs[True] == runs[False]
+    assert logprobs[True] == pytest.approx(logprobs[False], abs=1e-4)
 
 
 @pytest.mark.gpu2

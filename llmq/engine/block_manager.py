@@ -91,10 +91,11 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Publish the blocks that are full once `num_computed_tokens` are computed, for prefix hits."""
+        """Publish the blocks that are full once `num_computed_tokens` are computed, for prefix hits.
+        A block holding a pending token (still on the device) waits: its hash needs that token."""
         if not self.enable_prefix_caching:
             return
-        num_full = num_computed_tokens // self.block_size
+        num_full = min(num_computed_tokens, seq.num_tokens) // self.block_size
         self._extend_hashes(seq, num_full)
         for i in range(num_full):
             block, block_hash = seq.block_table[i], seq.block_hashes[i]

@@ -57,6 +57,10 @@ class EngineConfig:
     # On CUDA (one device, no parallelism), replay decode-only steps from CUDA graphs captured at start,
     # one per batch-size bucket (llmq/engine/decode_graphs.py). False: every step eager.
     cuda_graphs: bool = True
+    # Schedule step n+1 while the device computes step n, the tokens step n samples read on the device
+    # (llmq/engine/llm.py). None: on for one CUDA device, where the host's work then hides behind the
+    # device's; off on a CPU, where host and "device" are the same cores and it would only delay tokens.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
@@ -79,6 +83,15 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.async_scheduling and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("EngineConfig.async_scheduling runs on one device: it cannot be combined with "
+                             "tensor or pipeline parallelism")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.tensor_parallel_size * self.pipeline_parallel_size == 1

@@ -73,8 +73,9 @@ class DecodeGraphs:
     def accepts(self, step: StepInput) -> bool:
         return step.is_decode_only and step.num_tokens <= self.buckets[-1]
 
-    def run(self, step: StepInput) -> torch.Tensor:
-        """The float32 logits [S, vocab] of the step's sample rows, in sampler order."""
+    def run(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 logits [S, vocab] of the step's sample rows, in sampler order. `previous_tokens`:
+        the last step's sampled tokens, which the step's deferred input ids are read from."""
         n = step.num_tokens
         rows = self.buckets[bisect.bisect_left(self.buckets, n)]
         tables, lengths = step.decode_block_tables()
@@ -83,6 +84,7 @@ class DecodeGraphs:
         self.block_tables[:rows].copy_(padded, non_blocking=True)
         self._fill(self.context_lens, rows, lengths, 1)
         self._fill(self.input_ids, rows, step.input_ids, 0)
+        step.read_deferred_ids(self.input_ids, previous_tokens)
         self._fill(self.positions, rows, step.positions, 0)
         self._fill(self.slots, rows, step.slots, self.scratch_block * self.block_size)
         if self.capture:

@@ -12,11 +12,12 @@ from llmq.engine.block_manager import BlockManager
 from llmq.engine.config import EngineConfig, ResumePoint
 from llmq.engine.model_runner import ModelRunner
 from llmq.engine.output_processor import OutputProcessor
-from llmq.engine.scheduler import Scheduler
+from llmq.engine.scheduler import ScheduledBatch, Scheduler
 from llmq.engine.sequence import Sequence
 from llmq.errors import InvalidRequest
 from llmq.limits import check_fits, check_samples, check_token_ids
 from llmq.model.model_config import ModelConfig
+from llmq.model.sampler import SampledStep
 from llmq.model.tokenizer import Tokenizer
 from llmq.outputs import CompletionOutput, RequestDelta, RequestOutput
 from llmq.sampling_params import SamplingParams
@@ -47,8 +48,11 @@ class LLMEngine:
         self._seed_stream = random.Random(config.seed)
         self.counters = self.scheduler.counters  # tokens, prefix cache, preemptions (llmq/engine/counters.py)
         self.started: list[str] = []  # the requests that the last step() scheduled for the first time
-        log.info("engine ready: %s (%s layers) on %s in %.1f s", config.model, model_config.num_hidden_layers,
-                 config.device, time.perf_counter() - started)
+        self.async_scheduling = config.uses_async_scheduling
+        self._in_flight: tuple[ScheduledBatch, SampledStep | None] | None = None  # launched, tokens not yet read
+        log.info("engine ready: %s (%s layers) on %s in %.1f s; async scheduling %s", config.model,
+                 model_config.num_hidden_layers, config.device, time.perf_counter() - started,
+                 "on" if self.async_scheduling else "off")
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -117,23 +121,36 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
-        """Run one iteration: every running sequence advances; returns the deltas it produced."""
+        """Run one iteration: every running sequence advances; returns the deltas it produced.
+
+        With async scheduling (EngineConfig.async_scheduling) this step is launched before the last
+        one's tokens are read, and the deltas returned are the last step's: the host schedules step
+        n+1 and turns step n's tokens into text while the device computes step n+1. A sequence that
+        step n finishes has computed one token more in step n+1, which is discarded."""
         batch = self.scheduler.schedule()
         self.started = [seq.request_id for seq in batch.started]
-        for seq in batch.deferred:  # siblings that wait for a slot: aborted with their request
+        for seq in batch.forked + batch.deferred:  # the request's other samples: aborted with it
             self._requests[seq.request_id].append(seq)
-        token_ids, logprobs = self.model_runner.run(batch) if batch else ([], [])
-        return self._finish(self.output_processor.process(self.scheduler.postprocess(batch, token_ids), logprobs))
+        launched = (batch, self.model_runner.launch(batch)) if batch else None
+        if batch:
+            self.scheduler.launched(batch)
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        return self._finish(self._complete(*launched) if launched else [])
+
+    def _complete(self, batch: ScheduledBatch, sampled: SampledStep | None):
+        """A launched step's tokens, read from the device, appended and turned into deltas."""
+        token_ids, logprobs = sampled.result() if sampled else ([], [])
+        taken = self.scheduler.append_tokens(batch, token_ids)
+        return self.output_processor.process([batch.samplers[i] for i in taken], [logprobs[i] for i in taken])
 
     def _finish(self, deltas) -> list[RequestDelta]:
         out, self._pending = self._pending, []
         for seq, delta in deltas:
             family = self._requests.get(seq.request_id)
-            if family is not None and seq not in family:
-                family.append(seq)  # a sibling forked off this step (n > 1)
             if delta.finished:
                 self.scheduler.finish(seq, delta.finish_reason, delta.stop_reason)
                 if family is not None and all(s.is_finished for s in family) and len(family) == seq.params.n:
@@ -144,12 +161,13 @@ class LLMEngine:
     # ---- figures ---------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """The load (running, waiting, KV blocks) and how the model is held (dtype, quantization, ranks)."""
+        """The load (running, waiting, KV blocks) and how the model is held and run (dtype, quantization,
+        ranks, async scheduling)."""
         return {"running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
                 "free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
                 "dtype": self.model_runner.dtype_choice.name, "quantization": self.model_runner.budget.quantization,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
-                "pipeline_parallel_size": self.config.pipeline_parallel_size}
+                "pipeline_parallel_size": self.config.pipeline_parallel_size, "async_scheduling": self.async_scheduling}
 
     def close(self) -> None:
         """Stop the other ranks of a parallel engine (nothing to do on one device)."""

@@ -1,7 +1,7 @@
 """ModelRunner: owns a device. Loads the model (or, in a parallel engine, this rank's shard), sizes and
 holds the KV cache, runs one batch.
 
-In a tensor x pipeline parallel engine every rank has a ModelRunner: rank 0's `run` turns the batch
+In a tensor x pipeline parallel engine every rank has a ModelRunner: rank 0's `launch` turns the batch
 into StepInputs (micro-batches, for a pipeline), broadcasts them and samples; the other ranks'
 `follow` executes what arrives. `execute` is the same code on every rank: a stage takes its input from
 the previous stage (the first, the token ids), runs its layers, and hands on the hidden states, or,
@@ -29,9 +29,8 @@ from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
 from llmq.model.quantization.transform import weight_footprint
-from llmq.model.sampler import sample
+from llmq.model.sampler import SampledStep
 from llmq.model.shard_plan import ShardPlan
-from llmq.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +129,8 @@ class ModelRunner:
             for _ in range(self.plan.stage.num_layers)]
         self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
         self.timing = StepTiming()
+        self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
+        self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
         packed = f"; {self.num_prepacked} weight matrices prepacked for oneDNN" if self.num_prepacked else ""
         log.info("%s%s; %s (%s)%s; %s attention; %d CPU threads", self.budget.describe(), self._rank_label(),
                  self.dtype_choice.name, self.dtype_choice.reason, packed, self.attention_backend,
@@ -226,23 +227,26 @@ class ModelRunner:
     # ---- a step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Rank 0: one forward over the batch; returns a sampled token (and logprobs) per `batch.samplers`."""
+    def launch(self, batch: ScheduledBatch) -> SampledStep | None:
+        """Rank 0: one forward over the batch and its sampling, set going on the device without waiting
+        for it; None for a batch that samples nothing. Tokens still pending from the launch before this
+        one (async scheduling) are read from that launch's sampled tokens, on the device."""
         if self.plan.stage.num_stages > 1:
             steps = micro_batches(batch, self.block_size, self.num_micro_batches)
         else:
-            steps = [StepInput.from_batch(batch, self.block_size)]
+            steps = [StepInput.from_batch(batch, self.block_size, pending=self._previous_index)]
         try:
             if self.group:
                 self.group.broadcast(steps)
-            logits = self.execute(steps)
+            logits = self.execute(steps, self._previous_tokens)
         except Exception as err:
             if self.group:
                 self.group.abandon(f"a step failed on rank 0 ({type(err).__name__}: {err})")
             raise
-        if not batch.samplers:
-            return [], []
-        return sample(logits, batch.samplers)
+        sampled = SampledStep.launch(logits, batch.samplers) if batch.samplers else None
+        self._previous_tokens = sampled.token_ids if sampled else None
+        self._previous_index = {seq.seq_id: j for j, seq in enumerate(batch.samplers)}
+        return sampled
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -256,12 +260,13 @@ class ModelRunner:
             else:
                 self.execute(message)
 
-    def execute(self, steps: list[StepInput]) -> torch.Tensor | None:
+    def execute(self, steps: list[StepInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the float32
-        logits of every sampler of the batch [S, vocab] in the batch's order; None elsewhere."""
+        logits of every sampler of the batch [S, vocab] in the batch's order; None elsewhere.
+        `previous_tokens`: the last step's sampled tokens, where the steps' deferred input ids are."""
         started = time.perf_counter()
         if self.decode_graphs is not None and len(steps) == 1 and self.decode_graphs.accepts(steps[0]):
-            logits = self.decode_graphs.run(steps[0])
+            logits = self.decode_graphs.run(steps[0], previous_tokens)
             seconds = time.perf_counter() - started
             self.timing.steps += 1
             self.timing.step_seconds += seconds
@@ -274,6 +279,7 @@ class ModelRunner:
         for step in steps:
             input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
                                                          self.block_size, self.attention_backend == "triton")
+            step.read_deferred_ids(input_ids, previous_tokens)
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))
             computing = time.perf_counter()

@@ -1,7 +1,7 @@
 """Scheduler: decides, every step, which sequences run and how many tokens each computes.
 
 Iteration-level (continuous) batching with one code path for prefill and decode: every sequence
-simply needs `num_tokens - num_computed_tokens` more tokens computed, and a per-step token budget
+simply needs `num_uncomputed_tokens` more tokens computed, and a per-step token budget
 (`max_num_batched_tokens`) is spent on running sequences first, then on waiting ones. Long prompts
 are therefore prefilled in chunks alongside running decodes. When the KV cache is full a running
 sequence is preempted: its blocks are freed and it goes back to waiting, to be recomputed later.
@@ -45,6 +45,7 @@ class ScheduledBatch:
     logits_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)  # samples (n > 1) forked off this step, running
     deferred: list[Sequence] = field(default_factory=list)  # samples (n > 1) forked into waiting, not running
     started: list[Sequence] = field(default_factory=list)  # requests scheduled for the first time: they waited till now
 
@@ -141,18 +142,41 @@ class Scheduler:
         batch.block_copies = self.block_manager.take_pending_copies()
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the counters of the step that ran and append the sampled tokens (one per
-        `batch.samplers`). Returns the sequences that got a new token."""
+    def launched(self, batch: ScheduledBatch) -> None:
+        """The batch's step is on its way: its tokens count as computed, and each sampler's next token
+        as pending until `append_tokens` brings it. With async scheduling the next step is scheduled in
+        between, and computes the pending tokens it reads on the device."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
+        for seq in batch.samplers:
+            seq.num_pending_tokens += 1
+
+    def append_tokens(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[int]:
+        """The tokens a launched batch sampled (one per `batch.samplers`) have come to the host: append
+        them. Returns the indices into `batch.samplers` of the sequences that took one. A sequence
+        finished (or aborted) while its token was on the way takes none: that token is discarded."""
         counters = self.counters
-        for seq, token_id in zip(batch.samplers, sampled_token_ids):
+        taken = []
+        for i, (seq, token_id) in enumerate(zip(batch.samplers, sampled_token_ids)):
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:
+                continue
             if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens:  # a request's first token
                 counters.prompt_tokens += seq.num_prompt_tokens
             seq.token_ids.append(token_id)
-        counters.generation_tokens += len(sampled_token_ids)
-        return batch.samplers
+            if seq.num_computed_tokens >= seq.num_tokens and seq.num_tokens % self.block_manager.block_size == 0:
+                # The step launched since computes this token, which fills a block: that block's hash
+                # needed the token, so scheduling it could not publish the block.
+                self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            taken.append(i)
+        counters.generation_tokens += len(taken)
+        return taken
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """The step that ran and its tokens in one go (`launched`, then `append_tokens`). Returns the
+        sequences that got a new token."""
+        self.launched(batch)
+        return [batch.samplers[i] for i in self.append_tokens(batch, sampled_token_ids)]
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(KV slots holding a computed token, slots in blocks allocated to running sequences).
@@ -241,12 +265,13 @@ class Scheduler:
             if over_share and under_share_stuck:
                 return
             seq = self._waiting[tenant][0]
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or seq.num_pending_tokens:
+                # A sequence preempted while its last token was on the device: its prefill waits for it.
                 admitted = False
             else:
                 cached = self.block_manager.find_cached_prefix(seq)  # waiting sequences hold no KV of their own
                 num_cached = len(cached) * self.block_manager.block_size
-                num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+                num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
                 admitted = self.block_manager.allocate_slots(seq, num_new, cached)
             if not admitted:
                 stuck.add(tenant)
@@ -300,7 +325,7 @@ class Scheduler:
         batch.num_new_tokens.append(num_new)
         computed_after = seq.num_computed_tokens + num_new
         self.block_manager.cache_full_blocks(seq, computed_after)
-        if computed_after < seq.num_tokens:
+        if num_new < seq.num_uncomputed_tokens:
             return  # a prompt chunk that does not reach the end samples nothing
         batch.samplers.append(seq)
         batch.logits_rows.append(row)
@@ -317,6 +342,7 @@ class Scheduler:
             child.num_computed_tokens = computed_after  # the parent computes the shared KV this step
             self.block_manager.fork(seq, child)
             self._start_running(child)
+            batch.forked.append(child)
             batch.samplers.append(child)
             batch.logits_rows.append(row)
 

@@ -21,9 +21,13 @@ _seq_ids = itertools.count()
 class Sequence:
     """A prompt and the tokens generated after it.
 
-    Invariants: 0 <= num_computed_tokens <= num_tokens; the KV of token positions
+    Invariants: 0 <= num_computed_tokens <= num_tokens + num_pending_tokens; the KV of token positions
     [0, num_computed_tokens) lives in the blocks of `block_table`, in order. A sequence samples a
-    new token exactly when a step brings num_computed_tokens up to num_tokens.
+    new token exactly when a step brings num_computed_tokens up to num_tokens + num_pending_tokens.
+
+    `token_ids` holds the tokens the host knows. With async scheduling a step is launched before the
+    previous step's sampled token has come back from the device: that token is pending (counted in
+    `num_pending_tokens`, at most 1), and the step reads it on the device.
     """
 
     request_id: str
@@ -47,6 +51,7 @@ class Sequence:
     sampling_seed: int = 0  # seeds this sequence's random generator (request seed + index)
     generator: object | None = None  # the sampler's generator, created on first use
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled on the device, not yet in token_ids (async scheduling)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -70,7 +75,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

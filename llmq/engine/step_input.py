@@ -6,6 +6,7 @@ pipeline to overlap its stages.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class StepInput:
     sample_rows: list[int]
     sampler_indices: list[int]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (token row, index into the previous step's sampled tokens): input ids still on the device, read
+    # there (async scheduling); their place in `input_ids` holds 0.
+    deferred_ids: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +54,10 @@ class StepInput:
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, block_size: int, rows: list[int] | None = None,
-                   with_block_copies: bool = True) -> "StepInput":
-        """The inputs of `rows` of the batch (all of them by default)."""
+                   with_block_copies: bool = True, pending: Mapping[int, int] | None = None) -> "StepInput":
+        """The inputs of `rows` of the batch (all of them by default). `pending`: for the sequences whose
+        last token the previous step sampled and the host does not have yet, by seq_id, that token's
+        index among the previous step's samplers."""
         rows = range(len(batch.seqs)) if rows is None else rows
         decode_rows = sorted((r for r in rows if batch.num_new_tokens[r] == 1),
                              key=lambda r: -batch.seqs[r].num_computed_tokens)
@@ -61,13 +67,20 @@ class StepInput:
         slots: list[int] = []
         last_token_row: dict[int, int] = {}
         prefills = []
+        deferred_ids = []
         for r in decode_rows + prefill_rows:
             seq, n = batch.seqs[r], batch.num_new_tokens[r]
             start, table = seq.num_computed_tokens, seq.block_table
             if n > 1:
                 context = table[:-(-(start + n) // block_size)] if start else None
                 prefills.append(PrefillSpanInput(len(input_ids), n, start, context))
-            input_ids.extend(seq.token_ids[start:start + n])
+            known = seq.token_ids[start:start + n]
+            if len(known) < n:  # a pending token: only ever a decode's one token (llmq/engine/sequence.py)
+                if pending is None or seq.seq_id not in pending:
+                    raise RuntimeError(f"sequence {seq.seq_id} needs a token sampled by a step this one does not follow")
+                deferred_ids.append((len(input_ids), pending[seq.seq_id]))
+                known = known + [0]
+            input_ids.extend(known)
             positions.extend(range(start, start + n))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             last_token_row[r] = len(input_ids) - 1
@@ -75,7 +88,7 @@ class StepInput:
         sampler_indices = [i for i, r in enumerate(batch.logits_rows) if r in last_token_row]
         return cls(input_ids, positions, slots, decodes, prefills,
                    [last_token_row[batch.logits_rows[i]] for i in sampler_indices], sampler_indices,
-                   list(batch.block_copies) if with_block_copies else [])
+                   list(batch.block_copies) if with_block_copies else [], deferred_ids)
 
     def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_decodes: bool = False):
         """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`
@@ -97,6 +110,14 @@ class StepInput:
                  for s in self.prefills]
         meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes)
         return tensor(self.input_ids), tensor(self.positions), meta
+
+    def read_deferred_ids(self, input_ids: torch.Tensor, previous_tokens: torch.Tensor | None) -> None:
+        """Write the deferred input ids into `input_ids` (on the device) from the previous step's
+        sampled tokens, without the host seeing them."""
+        if self.deferred_ids:
+            rows = to_device([row for row, _ in self.deferred_ids], input_ids.device)
+            sources = to_device([source for _, source in self.deferred_ids], input_ids.device)
+            input_ids[rows] = previous_tokens[sources]
 
     def decode_block_tables(self) -> tuple[list[list[int]], list[int]]:
         """Every decode's block table, padded with block 0 to the widest, and context length, in row order."""

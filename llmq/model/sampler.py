@@ -6,6 +6,8 @@ its batch. Greedy rows take the argmax.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmq.engine.sequence import Sequence
@@ -18,27 +20,60 @@ MIN_TEMPERATURE = 1e-5  # float32 logits / 1e-5 stay finite, and sampling at it 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits float32 [S, vocab], row i for seqs[i]. Returns the token ids and, for sequences that
     asked for them, the chosen token's log-probability with the top alternatives (of the model's
-    raw distribution, before temperature or truncation, as vLLM and OpenAI report them).
+    raw distribution, before temperature or truncation, as vLLM and OpenAI report them)."""
+    return SampledStep.launch(logits, seqs).result()
 
-    The tokens come to the host in one copy, the step's only wait for the device (two more when
-    logprobs are asked for)."""
-    token_ids = sample_tokens(logits, seqs)
-    chosen = token_ids.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if wanted:
-        rows = to_device(wanted, logits.device)
-        all_logprobs = torch.log_softmax(logits[rows], dim=-1)
-        k = max(seqs[i].params.logprobs for i in wanted)
-        top_values, top_ids = all_logprobs.topk(k, dim=-1)
-        chosen_logprobs = all_logprobs.gather(1, token_ids[rows, None])[:, 0]
-        # Everything the host needs in one transfer: [chosen logprob, top values..., top ids...] per row.
-        host = torch.cat([chosen_logprobs[:, None], top_values, top_ids.to(top_values.dtype)], dim=1).tolist()
-        for j, i in enumerate(wanted):
-            n = seqs[i].params.logprobs
-            top = tuple(zip((int(t) for t in host[j][1 + k: 1 + k + n]), host[j][1: 1 + n]))
-            logprobs[i] = TokenLogprob(chosen[i], host[j][0], top)
-    return chosen, logprobs
+
+@dataclass
+class SampledStep:
+    """A step's sampled tokens: on the device at once (`token_ids`, which the next step can read
+    there), on the host once `result()` has waited for their copy, the step's only wait for the device.
+    Logprobs, where asked for, come back in the same copy."""
+
+    token_ids: torch.Tensor  # [S] on the logits' device
+    _host: torch.Tensor  # [S, 2 + 2k] float64: token id, its logprob, k top logprobs, k top ids
+    _logprobs_wanted: list[int | None]  # top alternatives asked for, per row (None: no logprobs)
+    _top_k: int  # the most top alternatives any row asked for
+    _copied: object | None  # the CUDA event after the copy to the host; None where there is nothing to wait for
+
+    @classmethod
+    def launch(cls, logits: torch.Tensor, seqs: list[Sequence]) -> "SampledStep":
+        """Samples on the logits' device and starts the copy to the host; waits for nothing."""
+        token_ids = sample_tokens(logits, seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        k = max((seqs[i].params.logprobs for i in wanted), default=0)
+        # float64 holds every token id and float32 logprob exactly.
+        packed = torch.zeros(len(seqs), 2 + 2 * k if wanted else 1, dtype=torch.float64, device=logits.device)
+        packed[:, 0] = token_ids
+        if wanted:
+            rows = to_device(wanted, logits.device)
+            all_logprobs = torch.log_softmax(logits[rows], dim=-1)
+            top_values, top_ids = all_logprobs.topk(k, dim=-1)
+            chosen = all_logprobs.gather(1, token_ids[rows, None])
+            packed[rows, 1:] = torch.cat([chosen, top_values, top_ids.to(top_values.dtype)], dim=1).to(torch.float64)
+        copied = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = packed
+        return cls(token_ids, host, [s.params.logprobs for s in seqs], k, copied)
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Waits for the copy; the token ids and logprobs, one per sampled sequence."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host.tolist()
+        chosen = [int(row[0]) for row in rows]
+        k = self._top_k
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        for i, (row, n) in enumerate(zip(rows, self._logprobs_wanted)):
+            if n is not None:
+                logprobs[i] = TokenLogprob(chosen[i], row[1], tuple(zip((int(t) for t in row[2 + k: 2 + k + n]),
+                                                                        row[2: 2 + n])))
+        return chosen, logprobs
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

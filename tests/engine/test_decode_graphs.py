@@ -74,13 +74,15 @@ def test_steps_it_does_not_replay(stories_dir):
     assert prefill.prefills and not graphs.accepts(prefill)
 
 
-def test_an_engine_stepping_through_the_graph_path_generates_the_same_tokens(stories_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_engine_stepping_through_the_graph_path_generates_the_same_tokens(stories_dir, async_scheduling):
     """The path a CUDA engine takes for every decode step, eagerly: the same greedy tokens as the plain
-    path, with requests joining and finishing (the bucket changes from step to step)."""
+    path, with requests joining and finishing (the bucket changes from step to step). With async
+    scheduling, as on CUDA, the graphs' input ids are read from the last step's sampled tokens."""
     runs = {}
     for through_graphs in (False, True):
         engine = LLMEngine(EngineConfig(model=str(stories_dir), dtype="float32", kv_cache_bytes=1 << 20,
-                                        max_num_seqs=8))
+                                        max_num_seqs=8, async_scheduling=async_scheduling and through_graphs))
         if through_graphs:
             engine.model_runner.decode_graphs = engine.model_runner.make_decode_graphs(capture=False)
         lengths = [5, 9, 14, 3, 11]

@@ -164,32 +164,37 @@ def block_bytes(model_config) -> int:
     return 2 * model_config["num_hidden_layers"] * BLOCK_SIZE * model_config["num_key_value_heads"] * head_dim * 4
 
 
+_SCHEDULING: dict = {}  # the engine option `scheduling` sets for the pass of the module under way
+
+
+@pytest.fixture(scope="module", autouse=True, params=[False, True], ids=["sync", "async"])
+def scheduling(request) -> bool:
+    """Every test here runs twice: with the plain loop, and with async scheduling (step n+1 launched
+    before step n's tokens are read, and its pending tokens read on the device). The engine fixtures
+    depend on this one, so each pass builds its own."""
+    _SCHEDULING["async_scheduling"] = request.param
+    yield request.param
+    _SCHEDULING.clear()
+
+
 def make_llm(folder: Path, **options) -> LLM:
     # One intra-op thread: for a model this small, more threads only add synchronisation, and on a
     # busy 2-core machine OpenMP's spinning makes a step ten times slower.
     options = {"kv_cache_bytes": ROOMY_KV_BYTES, "block_size": BLOCK_SIZE, "num_threads": 1, "dtype": "float32",
-               **options}
-    return LLM(str(folder), **options)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_torch_threads():
-    """EngineConfig.num_threads sets torch's process-wide thread count; give it back afterwards."""
-    import torch
-
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+               **_SCHEDULING, **options}
+    llm = LLM(str(folder), **options)
+    assert llm.engine.async_scheduling is options["async_scheduling"]
+    return llm
 
 
 @pytest.fixture(scope="module")
-def reference(stories_dir) -> LLMEngine:
+def reference(stories_dir, scheduling) -> LLMEngine:
     """The reference: prefix caching off, room for everything. Used for one-request-at-a-time runs."""
     return make_llm(stories_dir, enable_prefix_caching=False).engine
 
 
 @pytest.fixture(scope="module")
-def cached(stories_dir) -> LLMEngine:
+def cached(stories_dir, scheduling) -> LLMEngine:
     return make_llm(stories_dir, enable_prefix_caching=True).engine
 
 
@@ -314,13 +319,13 @@ def test_chunked_prefill_matches_one_at_a_time(stories_dir, batch_requests, batc
                                                shared_prefix_expected, prefix_caching):
     engine = make_llm(stories_dir, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching).engine
     step_sizes = []
-    run_batch = engine.model_runner.run
+    launch = engine.model_runner.launch
 
-    def recording_run(batch):
+    def recording_launch(batch):
         step_sizes.append(batch.num_tokens)
-        return run_batch(batch)
+        return launch(batch)
 
-    engine.model_runner.run = recording_run
+    engine.model_runner.launch = recording_launch
     run, ids = drive(engine, batch_requests)
     got = tokens_by_request(run, ids)
     assert got == batch_expected, first_mismatch(got, batch_expected)
@@ -819,12 +824,13 @@ def test_out_of_range_seed_is_refused_or_served_reproducibly(stories_dir, once_u
 # ---- resuming an interrupted sample (a crashed or preempted worker's checkpoint) -------------------
 
 
-def interrupt_after(engine: LLMEngine, prompt, params: SamplingParams, steps: int) -> tuple[list[int], str]:
-    """Run a request for `steps` steps, then abort it: the tokens and text its deltas had carried."""
+def interrupt_after(engine: LLMEngine, prompt, params: SamplingParams, num_tokens: int) -> tuple[list[int], str]:
+    """Run a request until its deltas have carried `num_tokens` tokens (one a step), then abort it: the
+    tokens and text its deltas had carried."""
     request_id = new_id("interrupted")
     engine.add_request(request_id, prompt, params)
     tokens, text = [], ""
-    for _ in range(steps):
+    while len(tokens) < num_tokens:
         for delta in engine.step():
             assert not delta.finished, "the request ended before the interruption: pick fewer steps"
             tokens += delta.token_ids
@@ -837,14 +843,14 @@ def interrupt_after(engine: LLMEngine, prompt, params: SamplingParams, steps: in
     return tokens, text
 
 
-@pytest.mark.parametrize("steps", [1, 2, 17, 40])
-def test_a_resumed_sample_goes_on_exactly_where_it_stopped(reference, cached, once_upon, steps):
+@pytest.mark.parametrize("num_tokens", [1, 2, 17, 40])
+def test_a_resumed_sample_goes_on_exactly_where_it_stopped(reference, cached, once_upon, num_tokens):
     """Interrupted on one engine, resumed on another from its tokens: the joined text and tokens equal
     an undisturbed run's, and the resumed deltas carry only what came after the checkpoint."""
     from llmq.engine.config import ResumePoint
 
-    tokens, text = interrupt_after(cached, "Once upon a time", greedy(60), steps)
-    assert len(tokens) == steps
+    tokens, text = interrupt_after(cached, "Once upon a time", greedy(60), num_tokens)
+    assert len(tokens) == num_tokens
     run, request_id = Run(), new_id("resumed")
     run.seqs[request_id] = reference.add_request(request_id, "Once upon a time", greedy(60),
                                                  resume=ResumePoint(tuple(tokens), len(text)))
