@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs: every llmq step eager")
     parser.add_argument("--attention", choices=["auto", "torch", "triton"], default="auto",
                         help="llmq's attention backend for decodes")
+    parser.add_argument("--scheduling", choices=["auto", "async", "sync"], default="auto",
+                        help="async: llmq schedules step n+1 while the device computes step n (auto: on CUDA)")
     args = parser.parse_args()
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
@@ -58,9 +60,11 @@ def main() -> None:
     log(f"{name}; {args.model}; {len(requests)} requests, {useful} useful tokens; loading llmq")
     engine = LLMEngine(EngineConfig(model=str(folder), device=args.device, dtype=args.dtype,
                                     enable_prefix_caching=False, max_num_seqs=256, cuda_graphs=not args.eager,
-                                    attention_backend=args.attention))
+                                    attention_backend=args.attention,
+                                    async_scheduling={"auto": None, "async": True, "sync": False}[args.scheduling]))
     runner = engine.model_runner
-    path = f"{runner.attention_backend} attention, {'CUDA graphs' if runner.decode_graphs else 'eager steps'}"
+    path = (f"{runner.attention_backend} attention, {'CUDA graphs' if runner.decode_graphs else 'eager steps'}, "
+            f"{'async' if engine.async_scheduling else 'plain'} scheduling")
     log(f"llmq: {path}")
     run_llmq_once(engine, fresh_prompts(requests[:16], 10_000), "warm")
     llmq_rates = []

@@ -13,7 +13,7 @@ A worker's heartbeat (a JSON object under `llmq:workers`, by worker name) says:
   running, waiting, free_blocks, total_blocks, max_num_seqs
                         its engine's load, and `capacity`: how many more requests it takes now
   tokens_per_s          generated over its last few heartbeats
-  dtype, quantization, tensor_parallel_size, pipeline_parallel_size
+  dtype, quantization, tensor_parallel_size, pipeline_parallel_size, async_scheduling
   steps, busy_seconds, tokens   the engine loop's totals since it started
   metrics               its counters and request timings since it started, for GET /metrics
                         (llmq/metrics.py has their form)

@@ -61,6 +61,16 @@ def test_the_engine_runs_in_a_process_of_its_own_unless_told_not_to(monkeypatch,
     assert Settings.from_env().engine_process is expected
 
 
+@pytest.mark.parametrize("value, expected", [(None, None), ("1", True), ("0", False)])
+def test_async_scheduling_is_the_engines_choice_unless_set(monkeypatch, value, expected):
+    monkeypatch.delenv("LLMQ_ASYNC_SCHEDULING", raising=False)
+    if value is not None:
+        monkeypatch.setenv("LLMQ_ASYNC_SCHEDULING", value)
+    config = replace(Settings.from_env(), model_path="/models/m").engine_config()
+    assert config.async_scheduling is expected
+    assert config.uses_async_scheduling is bool(expected)  # the default device is the CPU: off there
+
+
 def test_reading_settings_starts_nothing_and_bootstrap_fills_in_the_default_model(monkeypatch, tmp_path, redis_url):
     for name in ("MODEL_PATH", "MODEL_NAME", "REDIS_URL", "DATABASE_URL"):
         monkeypatch.delenv(name, raising=False)

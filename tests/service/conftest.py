@@ -49,9 +49,9 @@ def stack(served_model_dir, tmp_path_factory):
            "MODEL_NAME": MODEL_NAME, "LLMQ_MAX_NUM_SEQS": "16", "LLMQ_HEARTBEAT_SECONDS": "1",
            "LLMQ_MAX_UPLOAD_BYTES": str(1 << 20),
            # Not the defaults: test_engine_priority checks the nice value reaches the engine, and these
-           # tests run the step writer's own thread, which only a GPU worker uses by default (the
-           # recovery tests' workers write from the loop).
-           "LLMQ_ENGINE_NICE": "10", "LLMQ_BACKGROUND_STREAM_WRITES": "1"}
+           # tests run the step writer's own thread and async scheduling, which only a GPU worker uses
+           # by default (the recovery tests' workers write from the loop and schedule in step).
+           "LLMQ_ENGINE_NICE": "10", "LLMQ_BACKGROUND_STREAM_WRITES": "1", "LLMQ_ASYNC_SCHEDULING": "1"}
     with LocalStack(env, start_redis=True, log_dir=home) as running:
         yield running
 

@@ -110,3 +110,4 @@ def test_the_workers_heartbeat_counts_the_engine_steps_and_tokens(api):
     assert after["tokens"] - before["tokens"] == 25
     assert after["steps"] - before["steps"] >= 25  # one token per running sequence per step
     assert after["busy_seconds"] > before["busy_seconds"]
+    assert after["async_scheduling"] is True  # LLMQ_ASYNC_SCHEDULING=1 (tests/service/conftest.py)
