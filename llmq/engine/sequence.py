@@ -27,7 +27,7 @@ class Sequence:
 
     `token_ids` holds the tokens the host knows. With async scheduling a step is launched before the
     previous step's sampled token has come back from the device: that token is pending (counted in
-    `num_pending_tokens`, at most 1), and the step reads it on the device.
+    `num_pending_tokens`: at most 1 when a step is scheduled), and the step reads it on the device.
     """
 
     request_id: str
