@@ -134,8 +134,9 @@ class LLMEngine:
         self.started = [seq.request_id for seq in batch.started]
         for seq in batch.forked + batch.deferred:  # the request's other samples: aborted with it
             self._requests[seq.request_id].append(seq)
-        launched = (batch, self.model_runner.launch(batch)) if batch else None
+        launched = None
         if batch:
+            launched = (batch, self.model_runner.launch(batch))
             self.scheduler.launched(batch)
         if self.async_scheduling:
             launched, self._in_flight = self._in_flight, launched

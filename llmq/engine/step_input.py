@@ -115,9 +115,8 @@ class StepInput:
         """Write the deferred input ids into `input_ids` (on the device) from the previous step's
         sampled tokens, without the host seeing them."""
         if self.deferred_ids:
-            rows = to_device([row for row, _ in self.deferred_ids], input_ids.device)
-            sources = to_device([source for _, source in self.deferred_ids], input_ids.device)
-            input_ids[rows] = previous_tokens[sources]
+            pairs = to_device(self.deferred_ids, input_ids.device)  # [D, 2] in one copy
+            input_ids[pairs[:, 0]] = previous_tokens[pairs[:, 1]]
 
     def decode_block_tables(self) -> tuple[list[list[int]], list[int]]:
         """Every decode's block table, padded with block 0 to the widest, and context length, in row order."""
