@@ -113,6 +113,7 @@ class Settings:
     quantization: str | None = None  # quantize the served model at load: int8 or int4 (EngineConfig)
     quantization_group_size: int = 128
     async_scheduling: bool | None = None  # EngineConfig.async_scheduling; None: on for one CUDA device
+    cpu_kernels: bool | None = None  # EngineConfig.cpu_kernels; None: on a CPU, where they build
     worker_threads: int | None = None  # Celery threads per worker; default: 2 x max_num_seqs
     # Fair share: each tenant's weight (default 1) in the engine's split of slots and tokens, and the
     # task threads one tenant may hold on a worker (default: max_num_seqs, enough to fill the engine);
@@ -181,6 +182,7 @@ class Settings:
             quantization=_quantization("LLMQ_QUANTIZATION"),
             quantization_group_size=_int("LLMQ_QUANTIZATION_GROUP_SIZE", 128),
             async_scheduling=_flag("LLMQ_ASYNC_SCHEDULING"),
+            cpu_kernels=_flag("LLMQ_CPU_KERNELS"),
             worker_threads=_int("LLMQ_WORKER_THREADS", 0) or None,
             tenant_weights=_weights("LLMQ_TENANT_WEIGHTS"),
             tenant_threads=_int("LLMQ_TENANT_THREADS", 0) or None,
@@ -258,7 +260,7 @@ class Settings:
                             tensor_parallel_size=self.tensor_parallel_size,
                             pipeline_parallel_size=self.pipeline_parallel_size, quantization=self.quantization,
                             quantization_group_size=self.quantization_group_size,
-                            async_scheduling=self.async_scheduling,
+                            async_scheduling=self.async_scheduling, cpu_kernels=self.cpu_kernels,
                             **({"kv_cache_bytes": self.kv_cache_bytes} if self.kv_cache_bytes else {}))
 
     def _require(self, name: str) -> str:

@@ -24,6 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 STORIES_DIR = REPO / "tests" / "fixtures" / "stories260k"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built():
+    """Build the fused CPU kernels once, before any test: an engine's first start here would otherwise
+    pay for the build (tens of seconds) inside whatever test, or worker start, came first."""
+    if not torch.cuda.is_available():
+        from llmq.model.cpu_kernels import native_kernels
+
+        native_kernels()  # a failure is logged, and test_cpu_kernels.py reports it
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """Karpathy's stories260K (a tiny *trained* Llama, tied embeddings, GQA 8/4, head_dim 8) in

@@ -71,6 +71,14 @@ def test_async_scheduling_is_the_engines_choice_unless_set(monkeypatch, value, e
     assert config.uses_async_scheduling is bool(expected)  # the default device is the CPU: off there
 
 
+@pytest.mark.parametrize("value, expected", [(None, None), ("1", True), ("off", False)])
+def test_the_cpu_kernels_are_on_where_they_build_unless_set(monkeypatch, value, expected):
+    monkeypatch.delenv("LLMQ_CPU_KERNELS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("LLMQ_CPU_KERNELS", value)
+    assert replace(Settings.from_env(), model_path="/models/m").engine_config().cpu_kernels is expected
+
+
 def test_reading_settings_starts_nothing_and_bootstrap_fills_in_the_default_model(monkeypatch, tmp_path, redis_url):
     for name in ("MODEL_PATH", "MODEL_NAME", "REDIS_URL", "DATABASE_URL"):
         monkeypatch.delenv(name, raising=False)

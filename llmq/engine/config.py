@@ -6,7 +6,7 @@ from dataclasses import dataclass
 # Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
 QUANTIZATION_METHODS = ("int8", "int4")
 # How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _is_int(value) -> bool:
@@ -54,6 +54,10 @@ class EngineConfig:
     # On a CPU, pack the float weight matrices once for oneDNN's products (llmq/model/cpu_prepack.py).
     prepack_weights: bool = True
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # On a CPU, the fused C++ kernels for norms, rotary, SiLU and decode attention (llmq/model/cpu_kernels.py),
+    # built at first use. None: where they build (a C++ compiler and ninja), else plain PyTorch with a
+    # warning; True: they must build; False: plain PyTorch.
+    cpu_kernels: bool | None = None
     # On CUDA (one device, no parallelism), replay decode-only steps from CUDA graphs captured at start,
     # one per batch-size bucket (llmq/engine/decode_graphs.py). False: every step eager.
     cuda_graphs: bool = True

@@ -38,7 +38,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, *, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 num_cache_blocks: int, scratch_block: int, num_kv_heads: int, paged_kernel: bool,
+                 num_cache_blocks: int, scratch_block: int, num_kv_heads: int, paged_kernel: str | None,
                  device: torch.device, capture: bool):
         self.model, self.kv_caches = model, kv_caches
         self.buckets = batch_buckets(max_batch)
@@ -105,7 +105,8 @@ class DecodeGraphs:
         """The forward a graph records: only tensor operations on the static buffers' first `rows`."""
         tables, lengths = self.block_tables[:rows], self.context_lens[:rows]
         if self.paged_kernel:
-            meta = AttentionMetadata(self.slots[:rows], self.block_size, [], [], PagedDecodes(rows, tables, lengths))
+            decodes = PagedDecodes(rows, tables, lengths, self.paged_kernel)
+            meta = AttentionMetadata(self.slots[:rows], self.block_size, [], [], decodes)
         else:
             group = DecodeGroup.over(0, tables.long(), lengths, self.num_kv_heads, self.num_cache_blocks,
                                      self.block_size)

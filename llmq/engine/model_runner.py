@@ -23,7 +23,8 @@ from llmq.engine.dtype import checkpoint_dtype, choose_dtype, cpu_native_bf16
 from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
-from llmq.model.attention import AttentionMetadata, PrefillSpan, choose_attention_backend
+from llmq.model.attention import PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend
+from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, native_kernels, native_kernels_failure
 from llmq.model.cpu_prepack import prepack_linears
 from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
@@ -117,7 +118,10 @@ class ModelRunner:
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:
             log.warning("context capped at %d tokens: the KV cache holds no more", self.max_model_len)
-        self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type)
+        self.kernels = self._choose_kernels(config)
+        self.model.use_kernels(self.kernels)
+        self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type,
+                                                          cpu_kernels=self.kernels is not TORCH_KERNELS)
         local = self.plan.local_config
         # One block more than the block manager hands out: the scratch block that the padding rows of
         # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
@@ -132,9 +136,9 @@ class ModelRunner:
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
         packed = f"; {self.num_prepacked} weight matrices prepacked for oneDNN" if self.num_prepacked else ""
-        log.info("%s%s; %s (%s)%s; %s attention; %d CPU threads", self.budget.describe(), self._rank_label(),
-                 self.dtype_choice.name, self.dtype_choice.reason, packed, self.attention_backend,
-                 torch.get_num_threads())
+        log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
+                 self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
+                 self.attention_backend, torch.get_num_threads())
         self.decode_graphs = (self._capture_decode_graphs()
                               if self.device.type == "cuda" and config.cuda_graphs and world == 1 else None)
 
@@ -145,7 +149,21 @@ class ModelRunner:
                             max_blocks_per_seq=-(-self.max_model_len // self.block_size), block_size=self.block_size,
                             num_cache_blocks=self.num_cache_blocks, scratch_block=self.num_cache_blocks - 1,
                             num_kv_heads=self.plan.local_config.num_key_value_heads,
-                            paged_kernel=self.attention_backend == "triton", device=self.device, capture=capture)
+                            paged_kernel=self._paged_kernel, device=self.device, capture=capture)
+
+    @property
+    def _paged_kernel(self) -> str | None:
+        """The backend whose kernel takes a step's decodes as PagedDecodes; None: gather groups."""
+        return self.attention_backend if self.attention_backend in PAGED_KERNELS else None
+
+    def _choose_kernels(self, config: EngineConfig) -> TorchKernels:
+        if self.device.type != "cpu" or config.cpu_kernels is False:
+            return TORCH_KERNELS
+        kernels = native_kernels()
+        if kernels is None and config.cpu_kernels:
+            raise ValueError(f"EngineConfig.cpu_kernels is True but the fused CPU kernels could not be built "
+                             f"({native_kernels_failure()}); they need a C++ compiler and ninja (pip install ninja)")
+        return kernels or TORCH_KERNELS
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         graphs = self.make_decode_graphs(capture=True)
@@ -278,7 +296,7 @@ class ModelRunner:
         sends, logits = [], []
         for step in steps:
             input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
-                                                         self.block_size, self.attention_backend == "triton")
+                                                         self.block_size, self._paged_kernel)
             step.read_deferred_ids(input_ids, previous_tokens)
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))

@@ -90,17 +90,18 @@ class StepInput:
                    [last_token_row[batch.logits_rows[i]] for i in sampler_indices], sampler_indices,
                    list(batch.block_copies) if with_block_copies else [], deferred_ids)
 
-    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_decodes: bool = False):
+    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_kernel: str | None = None):
         """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`
-        heads and `num_blocks` blocks. `paged_decodes`: the decodes as one PagedDecodes (the "triton"
-        attention backend) instead of gather groups."""
+        heads and `num_blocks` blocks. `paged_kernel` ("triton", "cpu"): the decodes as one PagedDecodes
+        for that backend's kernel, instead of gather groups."""
         def tensor(values, dtype=torch.long) -> torch.Tensor:
             return to_device(values, device, dtype)
 
         groups, kernel_decodes = [], None
-        if paged_decodes and self.decodes:
+        if paged_kernel and self.decodes:
             tables, lengths = self.decode_block_tables()
-            kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32))
+            kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
+                                          paged_kernel)
         else:
             groups = [DecodeGroup.over(g.token_start, tensor(g.block_tables), tensor(g.lengths), num_kv_heads,
                                        num_blocks, block_size) for g in self.decodes]

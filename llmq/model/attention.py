@@ -6,11 +6,12 @@ Head-major, so gathering a sequence's blocks yields each head's keys contiguousl
 read them in place instead of copying them into another layout.
 A step's tokens come ordered as: the single-token decodes (in groups), then the prompt chunks.
 
-Two ways to attend for the decodes (EngineConfig.attention_backend): "torch" gathers each group's blocks and
-multiplies (DecodeGroup); "triton" hands all of them to one kernel that reads the cache through the
-block tables in place (PagedDecodes, llmq/model/triton_attention.py), for CUDA, where it also keeps a
-decode step's shapes fixed for CUDA graphs. Prompt chunks take SDPA either way (its flash kernel on
-CUDA for a fresh prompt).
+Three ways to attend for the decodes (EngineConfig.attention_backend): "torch" gathers each group's blocks
+and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel that reads the cache
+through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
+where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
+(llmq/model/cpu_kernels.py). Prompt chunks take SDPA in every case (its flash kernel on CUDA for a
+fresh prompt).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmq.model.cpu_kernels import native_kernels
 
 
 @dataclass
@@ -63,6 +66,7 @@ class PagedDecodes:
     num_tokens: int
     block_tables: torch.Tensor  # int32 [N, max_blocks], padded with block 0
     context_lens: torch.Tensor  # int32 [N], this token included
+    kernel: str = "triton"  # or "cpu": which attention backend's kernel reads them
 
 
 @dataclass
@@ -74,13 +78,22 @@ class AttentionMetadata:
     paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" backend
 
 
-def choose_attention_backend(requested: str, device_type: str) -> str:
-    """"auto", "torch" or "triton" -> the backend to use. "auto": the kernel on CUDA where Triton is
-    installed (torch's CUDA builds ship it), else torch. Triton on a CPU runs only in its interpreter,
-    which the tests use to check the kernel."""
+PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
+
+
+def choose_attention_backend(requested: str, device_type: str, cpu_kernels: bool = False) -> str:
+    """"auto", "torch", "triton" or "cpu" -> the backend to use. "auto": Triton's kernel on CUDA where
+    Triton is installed (torch's CUDA builds ship it), the C++ kernel on a CPU where `cpu_kernels` (the
+    fused CPU kernels are in use), else torch. Triton on a CPU runs only in its interpreter, which the
+    tests use to check the kernel."""
     has_triton = importlib.util.find_spec("triton") is not None
     if requested == "auto":
-        return "triton" if device_type == "cuda" and has_triton else "torch"
+        if device_type == "cuda":
+            return "triton" if has_triton else "torch"
+        return "cpu" if cpu_kernels else "torch"
+    if requested == "cpu" and (device_type != "cpu" or not cpu_kernels):
+        raise ValueError("attention backend 'cpu' is the fused C++ kernel for a CPU device: it needs "
+                         "EngineConfig.device 'cpu' and the CPU kernels (EngineConfig.cpu_kernels)")
     if requested == "triton" and not has_triton:
         raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
     if requested == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -119,11 +132,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Returns [T, H * Dh]."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if meta.paged_decodes is not None:
+    decodes = meta.paged_decodes
+    if decodes is not None and decodes.kernel == "cpu":
+        native_kernels().paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables,
+                                                decodes.context_lens, meta.block_size, scale, out)
+    elif decodes is not None:
         # Imported here: triton is optional, and only this backend needs it.
         from llmq.model.triton_attention import paged_decode_attention
 
-        decodes = meta.paged_decodes
         paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables, decodes.context_lens,
                                meta.block_size, scale, out[: decodes.num_tokens])
     for group in meta.decodes:

@@ -5,7 +5,9 @@ Parameter names are Hugging Face's, except that q/k/v and gate/up are stored fus
 what makes decode-shaped work efficient. The loader fills the fused weights by name.
 
 The model holds weights only. The KV cache and the attention metadata are passed into `forward`,
-so one model instance is shared read-only by every request.
+so one model instance is shared read-only by every request. Its small operations (norms, rotary,
+SiLU) go through `kernels`: plain PyTorch by default, the fused CPU kernels after `use_kernels`
+(llmq/model/cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmq.model.attention import AttentionMetadata, paged_attention, write_kv
+from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels
 from llmq.model.model_config import ModelConfig
-from llmq.model.rope import apply_rope, rope_cache
+from llmq.model.rope import rope_cache
 
 
 def _weight(*shape, device, dtype) -> nn.Parameter:
@@ -41,19 +44,24 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    kernels: TorchKernels = TORCH_KERNELS
+
     def __init__(self, size: int, eps: float, device, dtype):
         super().__init__()
         self.weight = _weight(size, device=device, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the steps below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 whatever the weights' dtype, then scale in the weights' dtype, as transformers does.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(residual + x), residual + x) in one pass."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
+    kernels: TorchKernels = TORCH_KERNELS
+
     def __init__(self, config: ModelConfig, device, dtype):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -68,7 +76,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * Dh]
         # q and k sit side by side: rotate both in one pass.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)  # [T, H+KVH, Dh]
+        qk = self.kernels.rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)  # [T, H+KVH, Dh]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, H, Dh], [T, KVH, Dh]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         k_cache, v_cache = kv_cache
@@ -77,6 +85,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    kernels: TorchKernels = TORCH_KERNELS
+
     def __init__(self, config: ModelConfig, device, dtype):
         super().__init__()
         size = config.intermediate_size
@@ -84,8 +94,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,9 +105,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
+        """hidden: the previous layer's output; residual: the stream it adds to (None at a stage's first
+        layer, where hidden is the whole stream). Returns this layer's (output, residual), which sum to
+        the stream after it: each residual add is done in one pass with the norm that follows it."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm.add_forward(hidden, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -129,10 +145,16 @@ class LlamaForCausalLM(nn.Module):
         the layers this model holds (one KV cache each). On a pipeline stage after the first, the
         embedding is a pass-through and input_ids are the previous stage's hidden states [T, hidden]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, Dh]
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return h
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return h if residual is None else residual + h
+
+    def use_kernels(self, kernels: TorchKernels) -> None:
+        """Run the norms, rotary and SiLU through `kernels` from now on."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the tokens that sample -> float32 logits [S, vocab]."""

@@ -1,9 +1,11 @@
-"""The Triton decode kernel (llmq/model/triton_attention.py) against the torch path, on this
-machine's CPU under Triton's interpreter (on a GPU the same tests run the compiled kernel).
+"""The decode kernels that read the paged cache in place against the torch path: Triton's
+(llmq/model/triton_attention.py), on this machine's CPU under Triton's interpreter (on a GPU the same
+tests run the compiled kernel), and the fused C++ one for a CPU (llmq/model/csrc/cpu_kernels.cpp).
 
-The kernel reads the cache through block tables in place; the torch path gathers blocks and
-multiplies. Both must give the same attention for every context length (one token, a block edge,
-past the kernel's 64-token tile), with grouped KV heads, and the same greedy tokens in an engine."""
+The kernels read the cache through block tables in place; the torch path gathers blocks and
+multiplies. They must give the same attention for every context length (one token, a block edge,
+past Triton's 64-token tile), with grouped KV heads, for head sizes the C++ kernel takes in vector
+registers and one it does not, and the same greedy tokens in an engine."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,12 +17,14 @@ from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM
 from llmq.engine.step_input import DecodeGroupInput, PrefillSpanInput, StepInput
 from llmq.model.attention import choose_attention_backend, paged_attention
+from llmq.model.cpu_kernels import native_kernels, native_kernels_failure
 from llmq.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 24, 4, 128
+NUM_KV_HEADS, NUM_HEADS, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 4, 128
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+on_a_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is for a CPU")
+KERNELS = [pytest.param("triton", marks=needs_triton), pytest.param("cpu", marks=on_a_cpu)]
 
 
 def _step(lengths: list[int], generator: torch.Generator, prefill: tuple[int, int] | None = None) -> StepInput:
@@ -47,50 +51,72 @@ def _step(lengths: list[int], generator: torch.Generator, prefill: tuple[int, in
     return StepInput([0] * rows, positions, slots, [decode], prefills, [], [])
 
 
+@pytest.mark.parametrize("kernel, head_dim", [pytest.param("triton", 24, marks=needs_triton)]
+                         + [pytest.param("cpu", size, marks=on_a_cpu) for size in (24, 64, 128)], indirect=["kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_prefill", [False, True], ids=["decodes", "decodes+chunk"])
-def test_kernel_attends_as_the_torch_path_does(dtype, with_prefill):
+def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, dtype, with_prefill):
     generator = torch.Generator().manual_seed(7)
     lengths = [1, 4, 5, 63, 64, 65, 130]  # one token, a block's edge, and the kernel's 64-token tile's
     step = _step(lengths, generator, prefill=(9, 5) if with_prefill else None)
     rows = step.num_tokens
-    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, HEAD_DIM, generator=generator)
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator)
                         .to(DEVICE, dtype) for _ in range(2))
-    q = torch.randn(rows, NUM_HEADS, HEAD_DIM, generator=generator).to(DEVICE, dtype)
-    k, v = (torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(DEVICE, dtype)
+    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(DEVICE, dtype) for _ in range(2))
     outs = {}
-    for kernel in (False, True):
-        _, _, meta = step.to_tensors(DEVICE, NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_decodes=kernel)
-        assert (meta.paged_decodes is not None) == kernel and (not meta.decodes) == kernel
-        outs[kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM ** -0.5).float()
+    for paged_kernel in (None, kernel):
+        _, _, meta = step.to_tensors(DEVICE, NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel)
+        assert (meta.paged_decodes is not None) == bool(paged_kernel) and (not meta.decodes) == bool(paged_kernel)
+        outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(outs[True], outs[False], **tolerance)
+    torch.testing.assert_close(outs[kernel], outs[None], **tolerance)
+    assert outs[kernel].abs().sum() > 0  # every row written
+
+
+@pytest.fixture
+def kernel(request):
+    """A paged kernel's backend name; the C++ one must have been built here (a compiler and ninja)."""
+    if request.param == "cpu":
+        assert native_kernels() is not None, native_kernels_failure()
+    return request.param
 
 
 @pytest.mark.slow
-def test_an_engine_generates_the_same_tokens_with_either_backend(stories_dir):
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_an_engine_generates_the_same_tokens_with_either_backend(stories_dir, kernel):
     # A shared prefix (prefix caching: a chunk after cached blocks), greedy and seeded samples.
     prompts = ["Once upon a time there was a little girl named Lily", "Once upon a time there was a big dog"]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True)
     runs = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(str(stories_dir), device=DEVICE, dtype="float32", kv_cache_bytes=1 << 20, attention_backend=backend)
+    for backend in ("torch", kernel):
+        # The torch run takes plain PyTorch throughout; the C++ kernel's, the fused norms and SiLU too.
+        llm = LLM(str(stories_dir), device=DEVICE, dtype="float32", kv_cache_bytes=1 << 20, attention_backend=backend,
+                  cpu_kernels=backend == "cpu")
         assert llm.engine.model_runner.attention_backend == backend
         runs[backend] = [out.outputs[0].token_ids for params in (greedy, seeded)
                          for out in llm.generate(prompts, params, use_tqdm=False)]
-    assert runs["triton"] == runs["torch"]
+    assert runs[kernel] == runs["torch"]
     assert all(len(tokens) == 8 for tokens in runs["torch"])
 
 
+@needs_triton
 def test_the_backend_choice():
     assert choose_attention_backend("auto", "cpu") == "torch"
+    assert choose_attention_backend("auto", "cpu", cpu_kernels=True) == "cpu"
+    assert choose_attention_backend("torch", "cpu", cpu_kernels=True) == "torch"
     assert choose_attention_backend("torch", "cuda") == "torch"
     assert choose_attention_backend("auto", "cuda") == "triton"  # triton is installed here
+    assert choose_attention_backend("cpu", "cpu", cpu_kernels=True) == "cpu"
+    for device, built in (("cuda", True), ("cpu", False)):
+        with pytest.raises(ValueError, match="fused C\\+\\+ kernel"):
+            choose_attention_backend("cpu", device, cpu_kernels=built)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model="m", attention_backend="flash")
 
 
+@needs_triton
 def test_triton_on_a_cpu_outside_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

@@ -1,0 +1,161 @@
+"""The small operations of a step, two ways: plain PyTorch, and fused C++ for a CPU.
+
+A decode step of a small model on a CPU spends most of its time outside the matrix products: RMSNorm,
+rotary, SiLU, the residual adds and decode attention are each several PyTorch operators, and each
+operator allocates, forks the thread pool and walks memory once more. `csrc/cpu_kernels.cpp` does each
+in one pass (decode attention reads the paged cache in place, through the block tables). It is built
+at first use with torch's extension machinery (a C++ compiler and ninja) and cached by torch
+(TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions) under a name that includes this CPU's
+instruction set, since it is compiled for it; later loads take well under a second.
+
+`TorchKernels` is the plain path, the exact operators llama.py always ran; `NativeKernels` the fused
+one, which rounds a half dtype once where PyTorch rounds after every operator. The model calls one of
+the two through the same methods, so they are held side by side in tests/model/test_cpu_kernels.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmq.model.rope import apply_rope
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# ATen's vector types (at::vec) take their width from the instruction set ATen itself runs with here.
+_VECTOR_WIDTHS = ("AVX512", "AVX2")
+
+
+class TorchKernels:
+    """The plain-PyTorch operators, on any device."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the steps below
+            return F.rms_norm(x, weight.shape, weight, eps)
+        # Normalise in float32 whatever the weights' dtype, then scale in the weights' dtype, as transformers does.
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        total = residual + x
+        return cls.rms_norm(total, weight, eps), total
+
+    @staticmethod
+    def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, Dh]; a new tensor (x is left as it was)."""
+        return apply_rope(x, cos, sin)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class NativeKernels(TorchKernels):
+    """The fused C++ kernels for CPU tensors; anything else takes the plain operators."""
+
+    name = "cpu"
+
+    def __init__(self, module):
+        self._ops = module
+
+    def rms_norm(self, x, weight, eps):
+        if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
+            return self._ops.rms_norm(x, weight, eps)
+        return TorchKernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.is_cpu and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+            return tuple(self._ops.add_rms_norm(x, residual, weight, eps))
+        return TorchKernels.add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, x, cos, sin):
+        """In place: x (a view into the qkv projection's output) is rotated and returned."""
+        if x.is_cpu and x.stride(-1) == 1:
+            self._ops.rotary_(x, cos.contiguous(), sin.contiguous())
+            return x
+        return TorchKernels.rotary(x, cos, sin)
+
+    def silu_and_mul(self, gate_up):
+        if gate_up.is_cpu and gate_up.is_contiguous():
+            return self._ops.silu_and_mul(gate_up)
+        return TorchKernels.silu_and_mul(gate_up)
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                               scale: float, out: torch.Tensor) -> None:
+        """q [N, H, Dh] against caches [KVH, slots, Dh] through int32 block_tables [N, max_blocks] and
+        context_lens [N] (this token included), into out [N, H * Dh]."""
+        self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out)
+
+
+TORCH_KERNELS = TorchKernels()
+
+_lock = threading.Lock()
+_loaded: NativeKernels | None = None
+_failure: str | None = None
+
+
+def native_kernels() -> NativeKernels | None:
+    """The C++ kernels, built on first call (once per process; the build itself is cached across
+    processes). None where they cannot be built here (no compiler, no ninja), with the reason logged
+    once and kept in `native_kernels_failure()`."""
+    global _loaded, _failure
+    with _lock:
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = NativeKernels(_build())
+            except Exception as err:  # a missing compiler surfaces as several kinds of error
+                _failure = _first_error(err)
+                log.warning("the fused CPU kernels could not be built (%s); the plain PyTorch operators run "
+                            "instead", _failure)
+        return _loaded
+
+
+def native_kernels_failure() -> str | None:
+    """Why native_kernels() returned None, if it did."""
+    return _failure
+
+
+def _first_error(err: Exception) -> str:
+    """The line of a build's output that says what went wrong (a compiler's first error), else its last."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith("Error building")]
+    return f"{type(err).__name__}: {(errors or lines or [''])[0] if errors else (lines or [''])[-1]}"
+
+
+def _build():
+    from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _FLAGS + ([f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+                      if capability in _VECTOR_WIDTHS else [])
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _instruction_set().encode()
+                            + torch.__version__.encode()).hexdigest()[:12]
+    started = time.perf_counter()
+    module = load(name=f"llmq_cpu_kernels_{digest}", sources=[str(SOURCE)], extra_cflags=flags,
+                  extra_ldflags=["-fopenmp"], verbose=False)
+    log.info("fused CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return module
+
+
+def _instruction_set() -> str:
+    """This CPU's model and flags: the build targets them (-march=native)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))

@@ -1,0 +1,444 @@
+// Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
+// several, each with its own allocation and thread fork. Built at first use by llmq/model/cpu_kernels.py,
+// which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
+//
+// Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded once, on the
+// way out, where the twin rounds after every operator.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// float32, bfloat16 and float16: the dtypes the engine computes in.
+#define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                   \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)            \
+                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kLanes = fVec::size();
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head that decode attention takes
+
+// kLanes elements of scalar_t, as float32; and back, rounded to scalar_t.
+template <typename scalar_t>
+inline fVec load_f(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return fVec::loadu(p);
+  } else {
+    fVec v;
+    at::vec::load_to_float<scalar_t>(p, v);
+    return v;
+  }
+}
+
+template <typename scalar_t>
+inline void store_f(scalar_t* p, const fVec& v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<scalar_t>(v, v).store(p, kLanes);
+  }
+}
+
+// The value an operator's output in scalar_t would hold.
+template <typename scalar_t>
+inline fVec rounded(const fVec& v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(v, v)));
+  }
+}
+
+template <typename scalar_t>
+inline float rounded(float value) {
+  return static_cast<float>(static_cast<scalar_t>(value));
+}
+
+inline float sum_lanes(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+// sum(q[i] * x[i]) over n elements, q in float32.
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* x, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+  if (n >= kLanes) {
+    fVec acc(0.f);
+    for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(fVec::loadu(q + i), load_f(x + i), acc);
+    total = sum_lanes(acc);
+  }
+  for (; i < n; ++i) total += q[i] * static_cast<float>(x[i]);
+  return total;
+}
+
+// acc[i] += p * x[i] over n elements, acc in float32.
+template <typename scalar_t>
+inline void axpy(float p, const scalar_t* x, float* acc, int64_t n) {
+  int64_t i = 0;
+  const fVec pv(p);
+  for (; i + kLanes <= n; i += kLanes) at::vec::fmadd(pv, load_f(x + i), fVec::loadu(acc + i)).store(acc + i);
+  for (; i < n; ++i) acc[i] += p * static_cast<float>(x[i]);
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// ---- RMSNorm, and RMSNorm after a residual add ------------------------------------------------------
+
+// out = weight * normalised(row), as llama.py's RMSNorm: in float32 the product is taken in float32; in
+// a half dtype the normalised row is rounded to it before the weight scales it, as transformers does.
+// `row` holds the input already in float32.
+template <typename scalar_t>
+void rms_norm_row(const float* row, const scalar_t* weight, scalar_t* out, int64_t hidden, double eps) {
+  const float inv = 1.f / std::sqrt(dot(row, row, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
+  int64_t i = 0;
+  const fVec inv_v(inv);
+  for (; i + kLanes <= hidden; i += kLanes)
+    store_f(out + i, rounded<scalar_t>(fVec::loadu(row + i) * inv_v) * load_f(weight + i));
+  for (; i < hidden; ++i) out[i] = static_cast<scalar_t>(rounded<scalar_t>(row[i] * inv) * static_cast<float>(weight[i]));
+}
+
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) load_f(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void check_norm_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden] with contiguous rows");
+  check_norm_weight(x, weight);
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), hidden = x.size(1), stride = x.stride(0);
+  DISPATCH_FLOAT_TYPES(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(hidden);
+      for (int64_t r = begin; r < end; ++r) {
+        widen(xp + r * stride, row.data(), hidden);
+        rms_norm_row(row.data(), wp, op + r * hidden, hidden, eps);
+      }
+    });
+  });
+  return out;
+}
+
+// (normalised(x + residual), x + residual): the sum rounded to the dtype, as `residual + x` would be.
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                        const torch::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "x and residual must be contiguous [T, hidden] of one dtype");
+  check_norm_weight(x, weight);
+  auto out = torch::empty_like(x);
+  auto sum = torch::empty_like(x);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  DISPATCH_FLOAT_TYPES(x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(hidden);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t base = r * hidden;
+        int64_t i = 0;
+        for (; i + kLanes <= hidden; i += kLanes) {
+          const fVec total = rounded<scalar_t>(load_f(rp + base + i) + load_f(xp + base + i));
+          store_f(sp + base + i, total);
+          total.store(row.data() + i);
+        }
+        for (; i < hidden; ++i) {
+          const scalar_t total = static_cast<scalar_t>(static_cast<float>(rp[base + i]) + static_cast<float>(xp[base + i]));
+          sp[base + i] = total;
+          row[i] = static_cast<float>(total);
+        }
+        rms_norm_row(row.data(), wp, op + base, hidden, eps);
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// ---- rotary embedding, in place ----------------------------------------------------------------------
+
+// x [T, heads, Dh] (a view into the qkv projection's output), rotate-half layout; cos, sin [T, Dh].
+void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be [T, heads, head_dim] with contiguous heads of an even size");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && cos.scalar_type() == x.scalar_type() && sin.sizes() == cos.sizes() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [T, head_dim] in x's dtype");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  DISPATCH_FLOAT_TYPES(x.scalar_type(), "rotary_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cp + t * head_dim;
+        const scalar_t* s = sp + t * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* v = xp + t * token_stride + h * head_stride;
+          int64_t i = 0;
+          for (; i + kLanes <= half; i += kLanes) {
+            const fVec a = load_f(v + i), b = load_f(v + half + i);
+            store_f(v + i, a * load_f(c + i) - b * load_f(s + i));
+            store_f(v + half + i, b * load_f(c + half + i) + a * load_f(s + half + i));
+          }
+          for (; i < half; ++i) {
+            const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+            v[i] = static_cast<scalar_t>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
+            v[i + half] = static_cast<scalar_t>(b * static_cast<float>(c[i + half]) + a * static_cast<float>(s[i + half]));
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------------------
+
+// gate_up [T, 2 I] (gate, then up) -> [T, I]; silu's output rounded to the dtype before the product.
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  DISPATCH_FLOAT_TYPES(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      const fVec one(1.f);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * 2 * width;
+        const scalar_t* up = gate + width;
+        scalar_t* dst = op + r * width;
+        int64_t i = 0;
+        for (; i + kLanes <= width; i += kLanes) {
+          const fVec g = load_f(gate + i);
+          store_f(dst + i, rounded<scalar_t>(g / (one + g.neg().exp())) * load_f(up + i));
+        }
+        for (; i < width; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          dst[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- decode attention over the paged cache -----------------------------------------------------------
+
+// One query token per sequence. q [N, H, Dh]; caches [KVH, slots, Dh], slot of position p =
+// block_tables[n][p / block_size] * block_size + p % block_size; context_lens [N] (this token included).
+// Each (sequence, KV head) pair is one piece of work: its G = H / KVH query heads share every key and
+// value it reads, in place, once. Softmax is exact: every score first, then the weighted sum of values.
+// Asks for a cache block's lines ahead of their use: blocks lie anywhere in the cache, so the hardware's
+// prefetcher, which follows addresses, does not see the next one coming.
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* head, int32_t block, int64_t block_elems) {
+  const char* start = reinterpret_cast<const char*>(head + static_cast<int64_t>(block) * block_elems);
+  for (int64_t offset = 0; offset < block_elems * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
+    __builtin_prefetch(start + offset);
+}
+
+// Decode attention for one (sequence, KV head): its G query heads ([G, Dh], float32, scaled) against the
+// `length` keys and values that `table` names, into out [G, Dh]. `scores` holds G * length floats.
+// kChunks > 0: head_dim is kChunks vectors, known when compiled, so that a key's dot product and a
+// head's running sum of values stay in registers; 0: any head_dim.
+template <int kChunks, typename scalar_t>
+void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, const int32_t* table,
+            int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out) {
+  // Scores, a block at a time (one block-table lookup per block, no division per token).
+  for (int64_t first = 0; first < length; first += block_size) {
+    const int64_t count = std::min(block_size, length - first);
+    const scalar_t* keys = k_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
+    if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
+    for (int64_t t = 0; t < count; ++t) {
+      const scalar_t* key = keys + t * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = query + g * head_dim;
+        float score;
+        if constexpr (kChunks > 0) {
+          fVec part[kChunks];
+          for (int c = 0; c < kChunks; ++c) part[c] = fVec::loadu(qg + c * kLanes) * load_f(key + c * kLanes);
+          for (int width = kChunks / 2; width >= 1; width /= 2)
+            for (int c = 0; c < width; ++c) part[c] = part[c] + part[c + width];
+          score = sum_lanes(part[0]);
+        } else {
+          score = dot(qg, key, head_dim);
+        }
+        scores[g * length + first + t] = score;
+      }
+    }
+  }
+  // Softmax's exponentials; each head's 1 / sum scales its weighted sum of values at the end.
+  float inv_total[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * length;
+    int64_t i = 0;
+    fVec top_v(-std::numeric_limits<float>::infinity());
+    for (; i + kLanes <= length; i += kLanes) top_v = at::vec::maximum(top_v, fVec::loadu(s + i));
+    float top = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, top_v);
+    for (; i < length; ++i) top = std::max(top, s[i]);
+    top_v = fVec(top);
+    fVec total_v(0.f);
+    for (i = 0; i + kLanes <= length; i += kLanes) {
+      const fVec e = (fVec::loadu(s + i) - top_v).exp_u20();
+      e.store(s + i);
+      total_v = total_v + e;
+    }
+    float total = sum_lanes(total_v);
+    for (; i < length; ++i) {
+      s[i] = std::exp(s[i] - top);
+      total += s[i];
+    }
+    inv_total[g] = 1.f / total;
+  }
+  // The weighted sum of values, a head at a time: two running sums (even and odd tokens) that do not
+  // wait on each other's multiply-adds.
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * length;
+    float* dst = out + g * head_dim;
+    if constexpr (kChunks > 0) {
+      fVec even[kChunks], odd[kChunks];
+      for (int c = 0; c < kChunks; ++c) even[c] = odd[c] = fVec(0.f);
+      for (int64_t first = 0; first < length; first += block_size) {
+        const int64_t count = std::min(block_size, length - first);
+        const scalar_t* values = v_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
+        if (first + block_size < length) prefetch_block(v_head, table[first / block_size + 1], block_size * head_dim);
+        int64_t t = 0;
+        for (; t + 1 < count; t += 2) {
+          const fVec p0(p[first + t]), p1(p[first + t + 1]);
+          for (int c = 0; c < kChunks; ++c) {
+            even[c] = at::vec::fmadd(p0, load_f(values + t * head_dim + c * kLanes), even[c]);
+            odd[c] = at::vec::fmadd(p1, load_f(values + (t + 1) * head_dim + c * kLanes), odd[c]);
+          }
+        }
+        if (t < count) {
+          const fVec p0(p[first + t]);
+          for (int c = 0; c < kChunks; ++c)
+            even[c] = at::vec::fmadd(p0, load_f(values + t * head_dim + c * kLanes), even[c]);
+        }
+      }
+      const fVec inv(inv_total[g]);
+      for (int c = 0; c < kChunks; ++c) ((even[c] + odd[c]) * inv).store(dst + c * kLanes);
+    } else {
+      std::fill(dst, dst + head_dim, 0.f);
+      for (int64_t first = 0; first < length; first += block_size) {
+        const int64_t count = std::min(block_size, length - first);
+        const scalar_t* values = v_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
+        for (int64_t t = 0; t < count; ++t) axpy(p[first + t], values + t * head_dim, dst, head_dim);
+      }
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv_total[g];
+    }
+  }
+}
+
+// One query token per sequence. q [N, H, Dh]; caches [KVH, slots, Dh], slot of position p =
+// block_tables[n][p / block_size] * block_size + p % block_size; context_lens [N] (this token included).
+// Each (sequence, KV head) pair is one piece of work: its G = H / KVH query heads share every key and
+// value it reads, in place. Softmax is exact: every score first, then the weighted sum of values.
+template <typename scalar_t>
+void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                             int64_t block_size, double scale, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), group = num_heads / num_kv_heads;
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t cache_head_stride = k_cache.stride(0), out_stride = out.stride(0);
+  const int64_t table_stride = block_tables.stride(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t chunks = head_dim % kLanes == 0 ? head_dim / kLanes : 0;
+  auto attend_here = chunks == 1 ? attend<1, scalar_t> : chunks == 2 ? attend<2, scalar_t>
+                   : chunks == 4 ? attend<4, scalar_t> : chunks == 8 ? attend<8, scalar_t> : attend<0, scalar_t>;
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), result(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t length = lens[n];
+      if (length <= 0) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      scores.resize(group * length);
+      attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride,
+                  tables + n * table_stride, length, block_size, group, head_dim, scores.data(), result.data());
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                            int64_t block_size, double scale, torch::Tensor& out) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, head_dim] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 3 && k_cache.size(2) == q.size(2) && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "the caches must be contiguous [KVH, slots, head_dim] in q's dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(1) / k_cache.size(0) <= kMaxGroup,
+              "the query heads must be a multiple of the KV heads, at most ", kMaxGroup, " per KV head");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  block_tables.dim() == 2 && block_tables.stride(1) == 1 && context_lens.is_contiguous() &&
+                  block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0),
+              "block_tables [N, max_blocks] and context_lens [N] must be int32");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) >= q.size(0) &&
+                  out.size(1) == q.size(1) * q.size(2) && out.scalar_type() == q.scalar_type(),
+              "out must be [N, H * head_dim] in q's dtype");
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * RMSNorm(x)");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual) * weight, x + residual)");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged cache");
+}
