@@ -133,7 +133,8 @@ def _first_error(err: Exception) -> str:
     """The line of a build's output that says what went wrong (a compiler's first error), else its last."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower() and not line.startswith("Error building")]
-    return f"{type(err).__name__}: {(errors or lines or [''])[0] if errors else (lines or [''])[-1]}"
+    said = errors[0] if errors else (lines[-1] if lines else "")
+    return f"{type(err).__name__}: {said}"
 
 
 def _build():
