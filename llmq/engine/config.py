@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 # Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
 QUANTIZATION_METHODS = ("int8", "int4")
-# How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed.
+# How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed,
+# the C++ kernel ("cpu") on a CPU where the CPU kernels are in use, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 

@@ -75,7 +75,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
-    paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" backend
+    paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" or "cpu" backend
 
 
 PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
@@ -135,7 +135,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     decodes = meta.paged_decodes
     if decodes is not None and decodes.kernel == "cpu":
         native_kernels().paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables,
-                                                decodes.context_lens, meta.block_size, scale, out)
+                                                decodes.context_lens, meta.block_size, scale, out[: decodes.num_tokens])
     elif decodes is not None:
         # Imported here: triton is optional, and only this backend needs it.
         from llmq.model.triton_attention import paged_decode_attention

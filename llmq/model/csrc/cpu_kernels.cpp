@@ -2,8 +2,9 @@
 // several, each with its own allocation and thread fork. Built at first use by llmq/model/cpu_kernels.py,
 // which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
 //
-// Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded once, on the
-// way out, where the twin rounds after every operator.
+// Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
+// where the twin rounds after every operator, and also where that rounding is the model's own (RMSNorm's
+// normalised row before the weight scales it, SiLU's output before the product), as transformers does.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
