@@ -102,13 +102,6 @@ def choose_attention_backend(requested: str, device_type: str, cpu_kernels: bool
     return requested
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v [T, KVH, Dh] into their slots."""
-    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
-
-
 def block_rows(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
     """The rows of `gather_blocks`' 2-D cache view ([KVH * num_blocks, block_size * Dh]) that hold
     the blocks of `block_tables` [..., nb], every head's in turn: [KVH * prod(shape)]."""

@@ -28,6 +28,7 @@ from llmq.model.rope import apply_rope
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+HEADERS = sorted(SOURCE.parent.glob("*.h"))  # included by SOURCE: part of what the build's name is hashed from
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # ATen's vector types (at::vec) take their width from the instruction set ATen itself runs with here.
 _VECTOR_WIDTHS = ("AVX512", "AVX2")
@@ -62,6 +63,13 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v [T, KVH, Dh] into their slots of the caches [KVH, slots, Dh]."""
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
 
 class NativeKernels(TorchKernels):
     """The fused C++ kernels for CPU tensors; anything else takes the plain operators."""
@@ -92,6 +100,17 @@ class NativeKernels(TorchKernels):
         if gate_up.is_cpu and gate_up.is_contiguous():
             return self._ops.silu_and_mul(gate_up)
         return TorchKernels.silu_and_mul(gate_up)
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        if k_cache.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1 and slot_mapping.dtype == torch.long:
+            self._ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        else:
+            TorchKernels.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def decode_attention_path(self, dtype: torch.dtype, head_dim: int) -> str:
+        """Which code `paged_decode_attention` runs: "avx512-bf16" (bfloat16 on a CPU with AVX512-BF16,
+        csrc/decode_attention_bf16.h) or "vector" (float32 arithmetic on ATen's vector types)."""
+        return self._ops.decode_attention_path(str(dtype).removeprefix("torch."), head_dim)
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -143,7 +162,7 @@ def _build():
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _FLAGS + ([f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
                       if capability in _VECTOR_WIDTHS else [])
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _instruction_set().encode()
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in [SOURCE, *HEADERS]) + " ".join(flags).encode() + _instruction_set().encode()
                             + torch.__version__.encode()).hexdigest()[:12]
     started = time.perf_counter()
     module = load(name=f"llmq_cpu_kernels_{digest}", sources=[str(SOURCE)], extra_cflags=flags,

@@ -6,7 +6,7 @@ what makes decode-shaped work efficient. The loader fills the fused weights by n
 
 The model holds weights only. The KV cache and the attention metadata are passed into `forward`,
 so one model instance is shared read-only by every request. Its small operations (norms, rotary,
-SiLU) go through `kernels`: plain PyTorch by default, the fused CPU kernels after `use_kernels`
+SiLU, the KV cache's writes) go through `kernels`: plain PyTorch by default, the fused CPU kernels after `use_kernels`
 (llmq/model/cpu_kernels.py).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmq.model.attention import AttentionMetadata, paged_attention, write_kv
+from llmq.model.attention import AttentionMetadata, paged_attention
 from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels
 from llmq.model.model_config import ModelConfig
 from llmq.model.rope import rope_cache
@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, H, Dh], [T, KVH, Dh]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 

@@ -4,8 +4,10 @@
 In float32 the two agree to float32's rounding (the sums run in another order); in bfloat16 and
 float16 the kernel rounds once where PyTorch rounds after every operator, so they agree to a unit or
 two of the dtype's last place. Widths that are not a multiple of a vector register (71, 8) take the
-kernels' scalar tails. Decode attention is in test_paged_attention_kernels.py."""
+kernels' scalar tails. Decode attention's arithmetic is in test_paged_attention_kernels.py."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +79,34 @@ def test_rotary_rotates_a_view_in_place(kernels, dtype, head_dim):
 def test_silu_and_mul(kernels, dtype, width):
     gate_up = _randn(7, 2 * width, dtype=dtype) * 4  # into silu's tails on both sides
     _close(kernels.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_fills_the_slots_the_torch_path_fills(kernels, dtype):
+    num_kv_heads, slots, head_dim = 3, 40, 16
+    qkv = _randn(6, (4 + 2 * num_kv_heads) * head_dim, dtype=dtype)  # k and v are strided views, as in llama.py
+    k = qkv[:, 4 * head_dim: (4 + num_kv_heads) * head_dim].view(6, num_kv_heads, head_dim)
+    v = qkv[:, (4 + num_kv_heads) * head_dim:].view(6, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([39, 0, 7, 8, 21, 22])
+    caches = {}
+    for name, impl in (("native", kernels), ("torch", TORCH_KERNELS)):
+        k_cache, v_cache = _randn(num_kv_heads, slots, head_dim, dtype=dtype, seed=3), _randn(
+            num_kv_heads, slots, head_dim, dtype=dtype, seed=4)
+        impl.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        caches[name] = (k_cache, v_cache)
+    assert torch.equal(caches["native"][0], caches["torch"][0]) and torch.equal(caches["native"][1], caches["torch"][1])
+    assert torch.equal(caches["native"][0][:, 39], k[0])  # and it did write
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv(*caches["native"], k, v, torch.tensor([0, 1, 2, 3, 4, slots]))
+
+
+def test_decode_attention_takes_the_bfloat16_instructions_where_the_cpu_has_them(kernels):
+    has_them = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    expected = "avx512-bf16" if has_them and torch.backends.cpu.get_cpu_capability() == "AVX512" else "vector"
+    assert kernels.decode_attention_path(torch.bfloat16, 64) == expected
+    assert kernels.decode_attention_path(torch.bfloat16, 128) == expected
+    assert kernels.decode_attention_path(torch.bfloat16, 24) == "vector"  # not a multiple of 32
+    assert kernels.decode_attention_path(torch.float32, 64) == "vector"
 
 
 def test_a_bad_call_is_refused_with_a_reason(kernels):

@@ -15,9 +15,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "decode_attention_bf16.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
 #define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                \
@@ -429,8 +433,64 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) >= q.size(0) &&
                   out.size(1) == q.size(1) * q.size(2) && out.scalar_type() == q.scalar_type(),
               "out must be [N, H * head_dim] in q's dtype");
+#ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
+  if (q.scalar_type() == at::kBFloat16 && llmq_bf16::supports(q.size(2))) {
+    llmq_bf16::decode_attention(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
+                                v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
+                                block_tables.stride(0), context_lens.data_ptr<int32_t>(), q.size(0), q.size(1),
+                                k_cache.size(0), q.size(2), block_size, static_cast<float>(scale),
+                                out.data_ptr<at::BFloat16>(), out.stride(0));
+    return;
+  }
+#endif
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  });
+}
+
+// Which code decode attention runs for `dtype` and `head_dim`: "avx512-bf16" (decode_attention_bf16.h) or
+// "vector" (attend above).
+std::string decode_attention_path(const std::string& dtype, int64_t head_dim) {
+#ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
+  if (dtype == "bfloat16" && llmq_bf16::supports(head_dim)) return "avx512-bf16";
+#endif
+  return "vector";
+}
+
+// ---- writing a step's keys and values into the cache ----------------------------------------------
+
+// k, v [T, KVH, Dh] (rows of any stride, heads contiguous) into caches [KVH, slots, Dh] at slot_mapping [T].
+void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& slot_mapping) {
+  check_cpu(k, "k");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 3 && k_cache.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "the caches must be contiguous [KVH, slots, head_dim] in k's dtype");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(0) &&
+                  k.size(2) == k_cache.size(2) && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  v.scalar_type() == k.scalar_type(),
+              "k and v must be [T, KVH, head_dim] with contiguous heads, matching the cache");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.is_contiguous() &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [T]");
+  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2), slots = k_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
+  const int64_t bytes = head_dim * k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t element = k.element_size(), head_bytes = slots * bytes;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at_slot = h * head_bytes + slot[t] * bytes;
+        std::memcpy(kc + at_slot, kp + (t * k.stride(0) + h * k.stride(1)) * element, bytes);
+        std::memcpy(vc + at_slot, vp + (t * v.stride(0) + h * v.stride(1)) * element, bytes);
+      }
   });
 }
 
@@ -442,4 +502,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged cache");
+  m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
+  m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
 }

@@ -1,0 +1,205 @@
+// Decode attention for bfloat16 on a CPU with AVX512-BF16: the products in the CPU's bfloat16 dot-product
+// instruction (vdpbf16ps: bfloat16 pairs multiplied exactly, summed in float32), included by cpu_kernels.cpp.
+//
+// Why a kernel of its own: in float32 arithmetic a key's score is a dot product whose 16 lanes must be summed
+// across the register, which costs more than the products themselves; here 16 keys' dot products are summed
+// together (one transposing reduction for the 16), and the probability-weighted sum of values takes two
+// tokens per instruction. The probabilities are rounded to bfloat16 before they weight the values, as the
+// plain path's `softmax(...).to(q.dtype) @ values` does; sums stay in float32.
+#pragma once
+
+// at::vec must be its AVX512 build here (its exp is used on __m512 registers).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(CPU_CAPABILITY_AVX512)
+#define LLMQ_HAS_BF16_DECODE_ATTENTION 1
+#include <immintrin.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace llmq_bf16 {
+
+constexpr int kKeys = 16;  // keys scored per round: one float32 register's lanes
+
+// v[16] -> one register whose lane i is the sum of v[i]'s 16 lanes.
+inline __m512 sum_each(const __m512 (&v)[kKeys]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum for keys 4i .. 4i+3 (pairs of floats moved as doubles)
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 halves[2];
+  for (int i = 0; i < 2; ++i)  // keys 8i .. 8i+7, each summed over two of its four 128-bit lanes
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* start = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
+// One (sequence, KV head): its `group` query heads (q, bfloat16, `q_head_stride` apart) against the `length`
+// keys and values at `rows` (each token's row, in elements from its head's start, padded to `padded` with the
+// last one), into out (`group` heads of head_dim, contiguous). kVecs = head_dim / 32.
+// scores: group * padded floats; probs: group * padded bfloat16, padded = length rounded up to 16.
+template <int kVecs>
+void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
+            const int64_t* rows, int64_t length, int64_t group, float scale, float* scores, uint16_t* probs,
+            int64_t padded, uint16_t* out) {
+  constexpr int64_t head_dim = kVecs * 32;
+  constexpr int64_t row_bytes = head_dim * 2;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+
+  // Blocks lie anywhere in the cache, out of the hardware prefetcher's sight: ask for the first two rounds'
+  // keys and values now, and for each round's keys two rounds ahead.
+  for (int64_t t = 0; t < std::min<int64_t>(length, 2 * kKeys); ++t) {
+    prefetch_row(k_head + rows[t], row_bytes);
+    prefetch_row(v_head + rows[t], row_bytes);
+  }
+  // Scores, 16 keys a round (a short last round repeats its last key, and stores only its own lanes).
+  for (int64_t first = 0; first < length; first += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, length - first);
+    const uint16_t* keys[kKeys];
+    for (int t = 0; t < kKeys; ++t) keys[t] = k_head + rows[first + t];
+    for (int64_t ahead = first + 2 * kKeys; ahead < std::min(length, first + 3 * kKeys); ++ahead)
+      prefetch_row(k_head + rows[ahead], row_bytes);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const uint16_t* qg = q + g * q_head_stride;
+      __m512 acc[kKeys];
+      for (int t = 0; t < kKeys; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        for (int c = 0; c < kVecs; ++c)
+          acc[t] = _mm512_dpbf16_ps(acc[t], as_bh(_mm512_loadu_si512(qg + 32 * c)),
+                                    as_bh(_mm512_loadu_si512(keys[t] + 32 * c)));
+      }
+      _mm512_mask_storeu_ps(scores + g * padded + first, lanes, _mm512_mul_ps(sum_each(acc), scale_v));
+    }
+  }
+
+  // Softmax per head, normalised, then rounded to bfloat16; the padding past the end scores -inf, so its
+  // probabilities are zeros and the last token has a partner to pair with.
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    for (int64_t t = length; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
+    __m512 top_v = minus_inf;
+    for (int64_t t = 0; t < padded; t += kKeys) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top_v));
+    __m512 total_v = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += kKeys) {
+      const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)).exp_u20();
+      _mm512_storeu_ps(s + t, e);
+      total_v = _mm512_add_ps(total_v, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total_v));
+    uint16_t* p = probs + g * padded;
+    for (int64_t t = 0; t < padded; t += kKeys)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv))));
+  }
+
+  // Weighted sum of values, two tokens per instruction: vdpbf16ps takes the tokens' values interleaved
+  // (v_t[d], v_t+1[d]) against the pair (p_t, p_t+1). The interleave scrambles the dims' order within each
+  // 32-dim chunk in a fixed way, undone once at the end. As many heads at a time as 16 registers hold.
+  constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 8 / kVecs);
+  const __m512i zero = _mm512_setzero_si512();
+  // unpacklo/hi's lane j holds dim 8 * (j / 4) + j % 4 (+ 4 for hi): these pick dims 0-15 and 16-31 in order.
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+    const int64_t heads = std::min(kHeadsPerPass, group - g0);
+    __m512 acc[kHeadsPerPass][2 * kVecs];
+    for (int64_t h = 0; h < kHeadsPerPass; ++h)
+      for (int c = 0; c < 2 * kVecs; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 2) {
+      if (t + 2 * kKeys + 1 < length) {
+        prefetch_row(v_head + rows[t + 2 * kKeys], row_bytes);
+        prefetch_row(v_head + rows[t + 2 * kKeys + 1], row_bytes);
+      }
+      const uint16_t* a = v_head + rows[t];
+      const uint16_t* b = t + 1 < length ? v_head + rows[t + 1] : nullptr;
+      for (int c = 0; c < kVecs; ++c) {
+        const __m512i va = _mm512_loadu_si512(a + 32 * c);
+        const __m512i vb = b ? _mm512_loadu_si512(b + 32 * c) : zero;
+        const __m512bh lo = as_bh(_mm512_unpacklo_epi16(va, vb)), hi = as_bh(_mm512_unpackhi_epi16(va, vb));
+        for (int64_t h = 0; h < heads; ++h) {
+          int32_t pair;
+          std::memcpy(&pair, probs + (g0 + h) * padded + t, sizeof(pair));
+          const __m512bh p = as_bh(_mm512_set1_epi32(pair));
+          acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], lo, p);
+          acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], hi, p);
+        }
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* dst = out + (g0 + h) * head_dim;
+      for (int c = 0; c < kVecs; ++c) {
+        const __m512 lower = _mm512_permutex2var_ps(acc[h][2 * c], first_half, acc[h][2 * c + 1]);
+        const __m512 upper = _mm512_permutex2var_ps(acc[h][2 * c], second_half, acc[h][2 * c + 1]);
+        _mm512_storeu_si512(dst + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(upper, lower)));
+      }
+    }
+  }
+}
+
+// Whether `attend` takes heads of this size.
+inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+// q [N, H, Dh] (heads contiguous), caches [KVH, slots, Dh] contiguous, out [N, H * Dh] rows `out_stride` apart.
+inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_head_stride,
+                             const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t cache_head_stride,
+                             const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, c10::BFloat16* out, int64_t out_stride) {
+  const int64_t group = num_heads / num_kv_heads;
+  auto attend_here = head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q);
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
+  auto* op = reinterpret_cast<uint16_t*>(out);
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    std::vector<int64_t> rows;  // the sequence's token rows, shared by its KV heads
+    int64_t rows_of = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t length = lens[n];
+      if (length <= 0) continue;
+      const int64_t padded = (length + kKeys - 1) / kKeys * kKeys;
+      if (rows_of != n) {
+        rows.resize(padded);
+        const int32_t* table = tables + n * table_stride;
+        for (int64_t first = 0, block = 0; first < length; first += block_size, ++block) {
+          const int64_t row = static_cast<int64_t>(table[block]) * block_size * head_dim;
+          for (int64_t t = first; t < std::min(length, first + block_size); ++t) rows[t] = row + (t - first) * head_dim;
+        }
+        std::fill(rows.begin() + length, rows.end(), rows[length - 1]);
+        rows_of = n;
+      }
+      scores.resize(group * padded);
+      probs.resize(group * padded);
+      attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
+                  kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
+                  scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim);
+    }
+  });
+}
+
+}  // namespace llmq_bf16
+#endif
