@@ -25,7 +25,7 @@ from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend
 from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, native_kernels, native_kernels_failure
-from llmq.model.cpu_prepack import prepack_linears
+from llmq.model.cpu_prepack import build_kernels, prepack_linears
 from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
@@ -114,6 +114,12 @@ class ModelRunner:
                                 group_size=config.quantization_group_size)
         self.num_prepacked = (prepack_linears(self.model) if self.device.type == "cpu" and config.prepack_weights
                               else 0)
+        self.model.pad_rows = self.num_prepacked > 0
+        if self.num_prepacked:
+            started = time.perf_counter()
+            products = build_kernels(self.model, config.max_num_seqs)
+            log.info("oneDNN's kernels built for decode steps of up to %d sequences (%d products) in %.1f s",
+                     config.max_num_seqs, products, time.perf_counter() - started)
         self.budget = self._plan_memory(max_model_len)
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:

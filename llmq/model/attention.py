@@ -122,9 +122,11 @@ def gather_blocks(cache: torch.Tensor, rows: torch.Tensor, block_size: int) -> t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, Dh]; k, v [T, KVH, Dh] for this step's tokens (already written to the cache).
-    Returns [T, H * Dh]."""
+    Returns [T, H * Dh]. Rows past the slot mapping's (the model's padding rows) come out zero."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens > meta.slot_mapping.shape[0]:
+        out[meta.slot_mapping.shape[0]:].zero_()
     decodes = meta.paged_decodes
     if decodes is not None and decodes.kernel == "cpu":
         native_kernels().paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmq.model.llama import Linear
+from llmq.model.llama import Linear, linear
+from llmq.model.row_buckets import buckets_up_to
 from llmq.model.tensor_parallel import VocabParallelHead
 
 # The rows oneDNN lays the packed weight out for: a decode batch's worth. Prefill products (many more
@@ -44,4 +45,27 @@ def prepack_linears(model: nn.Module) -> int:
         for module in modules:  # the reorder reads any layout (the loader's input-major view included)
             module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(module.weight.data, ROWS_HINT),
                                          requires_grad=False)
+        if modules:  # a tied LM head has its packed copy now: the embedding's lookups want its rows contiguous
+            for embedding in (m for m in model.modules() if isinstance(m, nn.Embedding)):
+                embedding.weight.data = embedding.weight.data.contiguous()
     return len(modules)
+
+
+def build_kernels(model: nn.Module, max_rows: int) -> int:
+    """Run every distinct prepacked product once at each padded row count up to `max_rows`
+    (llmq/model/row_buckets.py), so that oneDNN has built its kernels before the first step needs
+    them. Returns how many products ran."""
+    seen = set()
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, (Linear, VocabParallelHead)) or weight is None or not weight.is_mkldnn:
+                continue
+            bias = getattr(module, "bias", None)
+            key = (tuple(weight.shape), weight.dtype, bias is None)
+            if key in seen:
+                continue
+            seen.add(key)
+            for rows in buckets_up_to(max_rows):
+                linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, bias)
+    return len(seen) * len(buckets_up_to(max_rows))

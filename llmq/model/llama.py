@@ -19,6 +19,7 @@ from llmq.model.attention import AttentionMetadata, paged_attention
 from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels
 from llmq.model.model_config import ModelConfig
 from llmq.model.rope import rope_cache
+from llmq.model.row_buckets import padded_rows
 
 
 def _weight(*shape, device, dtype) -> nn.Parameter:
@@ -80,7 +81,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, H, Dh], [T, KVH, Dh]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         k_cache, v_cache = kv_cache
-        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        written = meta.slot_mapping.shape[0]  # the step's tokens; rows past them are padding
+        self.kernels.write_kv(k_cache, v_cache, k[:written], v[:written], meta.slot_mapping)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 
@@ -126,7 +128,18 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, ...] with zero rows appended up to `rows`."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
 class LlamaForCausalLM(nn.Module):
+    # Whether a step's rows are padded to llmq/model/row_buckets.py's counts: set where the weights are
+    # prepacked for oneDNN, which builds a kernel for every new row count.
+    pad_rows: bool = False
+
     def __init__(self, config: ModelConfig, max_positions: int, device="cpu", dtype=torch.float32):
         super().__init__()
         self.config = config
@@ -144,11 +157,14 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the final norm), through
         the layers this model holds (one KV cache each). On a pipeline stage after the first, the
         embedding is a pass-through and input_ids are the previous stage's hidden states [T, hidden]."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, Dh]
-        h, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+        rows = input_ids.shape[0]
+        if self.pad_rows:  # padding rows: token 0 at position 0; attention leaves them out (they are past T)
+            input_ids, positions = _pad_rows(input_ids, padded_rows(rows)), _pad_rows(positions, padded_rows(rows))
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T', Dh]
+        h, residual = self.model.embed_tokens(input_ids), None  # [T', hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
-        return h if residual is None else residual + h
+        return (h if residual is None else residual + h)[:rows]
 
     def use_kernels(self, kernels: TorchKernels) -> None:
         """Run the norms, rotary and SiLU through `kernels` from now on."""
@@ -158,4 +174,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the tokens that sample -> float32 logits [S, vocab]."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        rows = hidden.shape[0]
+        if self.pad_rows:
+            hidden = _pad_rows(hidden, padded_rows(rows))
+        return self.lm_head(self.model.norm(hidden))[:rows].float()

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
-from llmq.model.cpu_prepack import prepack_linears, prepack_supported
+from llmq.model.cpu_prepack import build_kernels, prepack_linears, prepack_supported
 from llmq.model.llama import Linear, linear
 from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
+from llmq.model.row_buckets import buckets_up_to
 from llmq.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.float32), reason="this torch has no oneDNN")
@@ -26,7 +27,7 @@ def test_every_dense_projection_and_the_tied_head_are_packed(stories_dir):
     assert prepack_linears(model) == len(linears) == 2 * model.config.num_hidden_layers * 2 + 1
     assert all(m.weight.is_mkldnn for m in linears)
     # The embedding keeps its dense matrix for row lookups; the head's packed copy is counted as memory.
-    assert not embedding.is_mkldnn
+    assert not embedding.is_mkldnn and embedding.is_contiguous()  # rows contiguous again, for lookups
     assert torch.equal(model.lm_head.weight.to_dense(), embedding)
     assert weight_footprint(model, torch.float32).bytes == before + embedding.numel() * embedding.element_size()
     assert prepack_linears(model) == 0  # packing twice packs nothing more
@@ -65,6 +66,14 @@ def test_an_engine_generates_the_same_tokens_packed_or_not(stories_dir):
     for prepack in (False, True):
         llm = LLM(str(stories_dir), dtype="float32", kv_cache_bytes=4 << 20, prepack_weights=prepack)
         assert (llm.engine.model_runner.num_prepacked > 0) == prepack
+        assert llm.engine.model_runner.model.pad_rows == prepack  # packed: a step's rows padded to buckets
         runs[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
     assert all(len(tokens) == 40 for tokens in runs[True])
+
+
+def test_build_kernels_runs_each_distinct_product_at_each_decode_bucket(stories_dir):
+    model = load_model(stories_dir, "cpu", torch.float32, max_positions=64)
+    prepack_linears(model)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    assert build_kernels(model, 20) == len(shapes) * len(buckets_up_to(20)) == len(shapes) * 3  # 8, 16, 24
