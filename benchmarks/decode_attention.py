@@ -1,0 +1,67 @@
+"""The CPU's decode attention kernel on its own (llmq/model/csrc/, attention backend "cpu").
+
+    python benchmarks/decode_attention.py
+
+For bench-42m's shape (8 heads over 4 KV heads of 64) with 64 sequences of 115 tokens, and the 1.1 B
+model's (32 heads over 4) with 32 of 200, in bfloat16 and float32: microseconds per layer's call, with
+each sequence's blocks scattered over a large cache (as in a running engine) and with every block the
+same one (the cache's reads all from the CPU's caches: the arithmetic's share). Prints which code ran
+("avx512-bf16" or "vector") and the KV bytes read per second. 2 threads.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noqa: E402
+
+SHAPES = {"bench-42m": dict(seqs=64, heads=8, kv_heads=4, head_dim=64, context=115),
+          "llama-1b": dict(seqs=32, heads=32, kv_heads=4, head_dim=64, context=200)}
+BLOCK_SIZE, NUM_BLOCKS, CALLS = 8, 20_000, 50
+
+
+def time_call(kernels, dtype, seqs, heads, kv_heads, head_dim, context, scattered: bool) -> float:
+    """Best of 3 means over CALLS calls, in seconds."""
+    generator = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+    per_seq = -(-context // BLOCK_SIZE)
+    blocks = torch.randperm(NUM_BLOCKS, generator=generator)[: seqs * per_seq] if scattered else torch.zeros(
+        seqs * per_seq, dtype=torch.long)
+    tables = blocks.view(seqs, per_seq).to(torch.int32)
+    lengths = torch.full((seqs,), context, dtype=torch.int32)
+    q = torch.randn(seqs, heads, head_dim, generator=generator).to(dtype)
+    out = torch.empty(seqs, heads * head_dim, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(CALLS):
+            kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, BLOCK_SIZE, head_dim ** -0.5, out)
+        best = min(best, (time.perf_counter() - started) / CALLS)
+    return best
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    kernels = native_kernels()
+    if kernels is None:
+        sys.exit(f"the CPU kernels did not build here: {native_kernels_failure()}")
+    print("| shape | dtype | code | scattered blocks, µs | one block, µs | KV read, GB/s (scattered) |")
+    print("|---|---|---|---|---|---|")
+    for name, shape in SHAPES.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            scattered = time_call(kernels, dtype, **shape, scattered=True)
+            cached = time_call(kernels, dtype, **shape, scattered=False)
+            kv_bytes = 2 * shape["seqs"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * dtype.itemsize
+            path = kernels.decode_attention_path(dtype, shape["head_dim"])
+            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {path} | {scattered * 1e6:.0f} | "
+                  f"{cached * 1e6:.0f} | {kv_bytes / scattered / 1e9:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
