@@ -162,7 +162,8 @@ def _build():
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _FLAGS + ([f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
                       if capability in _VECTOR_WIDTHS else [])
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in [SOURCE, *HEADERS]) + " ".join(flags).encode() + _instruction_set().encode()
+    sources = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    digest = hashlib.sha256(sources + " ".join(flags).encode() + _instruction_set().encode()
                             + torch.__version__.encode()).hexdigest()[:12]
     started = time.perf_counter()
     module = load(name=f"llmq_cpu_kernels_{digest}", sources=[str(SOURCE)], extra_cflags=flags,
