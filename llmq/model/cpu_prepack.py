@@ -55,7 +55,7 @@ def build_kernels(model: nn.Module, max_rows: int) -> int:
     """Run every distinct prepacked product once at each padded row count up to `max_rows`
     (llmq/model/row_buckets.py), so that oneDNN has built its kernels before the first step needs
     them. Returns how many products ran."""
-    seen = set()
+    buckets, seen = buckets_up_to(max_rows), set()
     with torch.no_grad():
         for module in model.modules():
             weight = getattr(module, "weight", None)
@@ -66,6 +66,6 @@ def build_kernels(model: nn.Module, max_rows: int) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            for rows in buckets_up_to(max_rows):
+            for rows in buckets:
                 linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, bias)
-    return len(seen) * len(buckets_up_to(max_rows))
+    return len(seen) * len(buckets)

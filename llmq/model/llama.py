@@ -6,8 +6,8 @@ what makes decode-shaped work efficient. The loader fills the fused weights by n
 
 The model holds weights only. The KV cache and the attention metadata are passed into `forward`,
 so one model instance is shared read-only by every request. Its small operations (norms, rotary,
-SiLU, the KV cache's writes) go through `kernels`: plain PyTorch by default, the fused CPU kernels after `use_kernels`
-(llmq/model/cpu_kernels.py).
+SiLU, the KV cache's writes) go through `kernels`: plain PyTorch by default, the fused CPU kernels
+after `use_kernels` (llmq/model/cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -159,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
         embedding is a pass-through and input_ids are the previous stage's hidden states [T, hidden]."""
         rows = input_ids.shape[0]
         if self.pad_rows:  # padding rows: token 0 at position 0; attention leaves them out (they are past T)
-            input_ids, positions = _pad_rows(input_ids, padded_rows(rows)), _pad_rows(positions, padded_rows(rows))
+            padded = padded_rows(rows)
+            input_ids, positions = _pad_rows(input_ids, padded), _pad_rows(positions, padded)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T', Dh]
         h, residual = self.model.embed_tokens(input_ids), None  # [T', hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -167,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         return (h if residual is None else residual + h)[:rows]
 
     def use_kernels(self, kernels: TorchKernels) -> None:
-        """Run the norms, rotary and SiLU through `kernels` from now on."""
+        """Run the norms, rotary, SiLU and the KV cache's writes through `kernels` from now on."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.kernels = kernels

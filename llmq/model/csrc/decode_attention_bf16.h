@@ -18,7 +18,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
