@@ -10,17 +10,32 @@ import threading
 import httpx
 import pytest
 
+from llmq.model.checkpoint import byte_level_tokenizer_json, default_tokenizer_config, write_llama_checkpoint
 from stack.local import LocalStack
-from tests.service.conftest import MODEL_NAME, wait_until
+from tests.service.conftest import MODEL_NAME, SERVED_MODEL_CONFIG, wait_until
 
 SLOTS = 8  # LLMQ_MAX_NUM_SEQS: the engine runs 8 sequences; a worker has 16 threads, 8 a tenant
 FLOOD = 24  # A's requests, 2 samples each: 6 waves of the engine, 16 of them parked at first
+# Each wave of the flood must outlast a few heartbeats (which report the state the test waits for) on
+# however fast a machine: the served model's context is too short for that, so this module serves the
+# same model with a longer one, and the flood's requests are long.
+CONTEXT = 2048
+FLOOD_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
-def tenants_stack(served_model_dir, tmp_path_factory):
+def long_context_model_dir(tmp_path_factory):
+    return write_llama_checkpoint(tmp_path_factory.mktemp("models") / MODEL_NAME,
+                                  {**SERVED_MODEL_CONFIG, "max_position_embeddings": CONTEXT}, seed=0,
+                                  tokenizer_json=byte_level_tokenizer_json(),
+                                  tokenizer_config={**default_tokenizer_config(), "model_max_length": CONTEXT})
+
+
+@pytest.fixture(scope="module")
+def tenants_stack(long_context_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("fair-home")
-    env = {"LLMQ_HOME": str(home), "DATABASE_URL": f"sqlite:///{home / 'llmq.db'}", "MODEL_PATH": str(served_model_dir),
+    env = {"LLMQ_HOME": str(home), "DATABASE_URL": f"sqlite:///{home / 'llmq.db'}",
+           "MODEL_PATH": str(long_context_model_dir),
            "MODEL_NAME": MODEL_NAME, "LLMQ_MAX_NUM_SEQS": str(SLOTS), "LLMQ_HEARTBEAT_SECONDS": "1"}
     with LocalStack(env, start_redis=True, log_dir=home) as stack:
         yield stack, stack.key_headers("flood", "small")
@@ -33,7 +48,7 @@ def test_a_small_tenant_is_served_while_another_floods_the_worker(tenants_stack)
 
     def flood_request(client: httpx.Client) -> None:
         response = client.post("/v1/completions", headers=headers["flood"], json={
-            "model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 300, "n": 2, "temperature": 0,
+            "model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": FLOOD_TOKENS, "n": 2, "temperature": 0,
             "ignore_eos": True})
         statuses.append(response.status_code)
         done.append(1)
