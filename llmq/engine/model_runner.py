@@ -25,7 +25,7 @@ from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend
 from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, native_kernels, native_kernels_failure
-from llmq.model.cpu_prepack import build_kernels, prepack_linears
+from llmq.model.cpu_prepack import build_kernels, is_tiled, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
@@ -112,10 +112,12 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype, max_model_len, self.plan,
                                 self.group.comm if self.group else None, quantization=config.quantization,
                                 group_size=config.quantization_group_size)
-        self.num_prepacked = (prepack_linears(self.model) if self.device.type == "cpu" and config.prepack_weights
-                              else 0)
-        self.model.pad_rows = self.num_prepacked > 0
-        if self.num_prepacked:
+        self.kernels = self._choose_kernels(config)
+        self.num_prepacked = (prepack_linears(self.model, tiles=getattr(self.kernels, "amx", False))
+                              if self.device.type == "cpu" and config.prepack_weights else 0)
+        self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
+        self.model.pad_rows = packed_for_onednn(self.model) > 0
+        if self.model.pad_rows:
             started = time.perf_counter()
             products = build_kernels(self.model, config.max_num_seqs)
             log.info("oneDNN's kernels built for decode steps of up to %d sequences (%d products) in %.1f s",
@@ -124,7 +126,6 @@ class ModelRunner:
         self.max_model_len = min(max_model_len, self.budget.num_token_slots)
         if self.max_model_len < max_model_len and self.rank == 0:
             log.warning("context capped at %d tokens: the KV cache holds no more", self.max_model_len)
-        self.kernels = self._choose_kernels(config)
         self.model.use_kernels(self.kernels)
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type,
                                                           cpu_kernels=self.kernels is not TORCH_KERNELS)
@@ -141,7 +142,8 @@ class ModelRunner:
         self.timing = StepTiming()
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
-        packed = f"; {self.num_prepacked} weight matrices prepacked for oneDNN" if self.num_prepacked else ""
+        packed = (f"; {self.num_prepacked} weight matrices prepacked ({self.num_tiled} in tiles for the matrix "
+                  f"units, {self.num_prepacked - self.num_tiled} for oneDNN)" if self.num_prepacked else "")
         log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
                  self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
                  self.attention_backend, torch.get_num_threads())

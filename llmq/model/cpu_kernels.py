@@ -78,6 +78,9 @@ class NativeKernels(TorchKernels):
 
     def __init__(self, module):
         self._ops = module
+        # Whether this CPU's matrix units multiply bfloat16 here (csrc/amx_linear.h): cpu_prepack.py then
+        # lays bfloat16 weights out in tiles for amx_linear.
+        self.amx = bool(module.amx_available())
 
     def rms_norm(self, x, weight, eps):
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
@@ -121,6 +124,12 @@ class NativeKernels(TorchKernels):
 
 
 TORCH_KERNELS = TorchKernels()
+
+
+def amx_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out by cpu_prepack.tile_weight,
+    which does so only where native_kernels().amx."""
+    return _loaded._ops.amx_linear(x, tiles, bias)
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None

@@ -1,14 +1,18 @@
-"""Weight matrices prepacked once for oneDNN, for the matrix products of a model on a CPU.
+"""Weight matrices prepacked once for the matrix products of a model on a CPU.
 
 F.linear hands a CPU product to MKL, which repacks the weight operand into its blocked layout on
 every call. For decode-shaped products (a few dozen rows against a wide matrix such as the LM head)
-that repacking costs more than the arithmetic. oneDNN can reorder a weight into its blocked layout
-once; its product then reads the weight as it lies. `linear` in llama.py runs such a weight.
+that repacking costs more than the arithmetic. So each weight is laid out once, in one of two ways,
+and `linear` in llama.py runs the product its layout is for:
+- bfloat16 on a CPU with AMX (where the fused CPU kernels are in use and report it): tiles for the
+  matrix units (`tile_weight`), multiplied by csrc/amx_linear.h, which reads a decode step's weights
+  at close to the memory's speed where oneDNN's product does not;
+- otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
-The packed weight replaces the module's dense one, as a Parameter of the same shape and dtype (an
-opaque mkldnn tensor), so the memory budget counts it. A tied LM head gets a packed copy of its
-own: the embedding keeps the dense matrix for its row lookups. QuantizedLinear projections keep
-their own kernels.
+The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
+elements, so the memory budget counts it. A tied LM head gets a packed copy of its own: the
+embedding keeps the dense matrix for its row lookups. QuantizedLinear projections keep their own
+kernels.
 """
 from __future__ import annotations
 
@@ -36,19 +40,58 @@ def prepack_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place.
-    Returns how many were packed: none where oneDNN cannot multiply the model's dtype here."""
+# A tile of the matrix units: 16 output columns over 32 inputs (csrc/amx_linear.h).
+TILE_COLUMNS, TILE_INPUTS = 16, 32
+
+
+def tiles_fit(weight: torch.Tensor) -> bool:
+    """Whether a dense weight [N, K] can be laid out in tiles: bfloat16, N and K whole tiles."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % TILE_COLUMNS == 0
+            and weight.shape[1] % TILE_INPUTS == 0)
+
+
+def tile_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 32]: tile (n, k)'s row r holds, for each of its 16 columns c in turn, the
+    pair weight[16n + c, 32k + 2r], weight[16n + c, 32k + 2r + 1] (how the matrix units read it)."""
+    n, k = weight.shape
+    pairs = weight.contiguous().view(n // TILE_COLUMNS, TILE_COLUMNS, k // TILE_INPUTS, TILE_INPUTS // 2, 2)
+    return pairs.permute(0, 2, 3, 1, 4).contiguous().view(n // TILE_COLUMNS, k // TILE_INPUTS, TILE_INPUTS // 2,
+                                                          TILE_INPUTS)
+
+
+def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
+    """tile_weight's inverse: [N/16, K/32, 16, 32] -> [N, K]."""
+    col_blocks, k_tiles = tiles.shape[:2]
+    pairs = tiles.view(col_blocks, k_tiles, TILE_INPUTS // 2, TILE_COLUMNS, 2)
+    return pairs.permute(0, 3, 1, 2, 4).reshape(col_blocks * TILE_COLUMNS, k_tiles * TILE_INPUTS)
+
+
+def is_tiled(weight: torch.Tensor) -> bool:
+    return not weight.is_mkldnn and weight.dim() == 4
+
+
+def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
+    """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place: in
+    tiles for the matrix units where `tiles` (the fused kernels report AMX) and the weight fits, else
+    for oneDNN. Returns how many were packed: none where neither can multiply the model's dtype here."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
-               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and prepack_supported(m.weight.dtype)]
+               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)
+               and ((tiles and tiles_fit(m.weight)) or prepack_supported(m.weight.dtype))]
     with torch.no_grad():
-        for module in modules:  # the reorder reads any layout (the loader's input-major view included)
-            module.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(module.weight.data, ROWS_HINT),
-                                         requires_grad=False)
+        for module in modules:  # either reads any layout (the loader's input-major view included)
+            packed = (tile_weight(module.weight.data) if tiles and tiles_fit(module.weight)
+                      else torch.ops.mkldnn._reorder_linear_weight(module.weight.data, ROWS_HINT))
+            module.weight = nn.Parameter(packed, requires_grad=False)
         if modules:  # a tied LM head has its packed copy now: the embedding's lookups want its rows contiguous
             for embedding in (m for m in model.modules() if isinstance(m, nn.Embedding)):
                 embedding.weight.data = embedding.weight.data.contiguous()
     return len(modules)
+
+
+def packed_for_onednn(model: nn.Module) -> int:
+    """How many of the model's weights oneDNN multiplies (it builds a kernel for every new row count of
+    each: llmq/model/row_buckets.py)."""
+    return sum(1 for p in model.parameters() if p.is_mkldnn)
 
 
 def build_kernels(model: nn.Module, max_rows: int) -> int:

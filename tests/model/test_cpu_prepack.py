@@ -1,5 +1,6 @@
-"""Weights prepacked for oneDNN on a CPU (llmq/model/cpu_prepack.py): what gets packed, that the
-packed products agree with F.linear's, and that an engine generates the same tokens either way."""
+"""Weights prepacked on a CPU (llmq/model/cpu_prepack.py): what gets packed, for oneDNN or in tiles
+for the matrix units, that the packed products agree with F.linear's (or a float32 product's), and
+that an engine generates the same tokens either way."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
-from llmq.model.cpu_prepack import build_kernels, prepack_linears, prepack_supported
+from llmq.model.cpu_kernels import native_kernels
+from llmq.model.cpu_prepack import (build_kernels, is_tiled, packed_for_onednn, prepack_linears, prepack_supported,
+                                    tile_weight, tiles_fit, untile_weight)
 from llmq.model.llama import Linear, linear
 from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
@@ -77,3 +80,90 @@ def test_build_kernels_runs_each_distinct_product_at_each_decode_bucket(stories_
     prepack_linears(model)
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
     assert build_kernels(model, 20) == len(shapes) * len(buckets_up_to(20)) == len(shapes) * 3  # 8, 16, 24
+
+
+# ---- bfloat16 weights in tiles for the matrix units (AMX) ----------------------------------------
+
+def _amx():
+    kernels = native_kernels()
+    return kernels is not None and kernels.amx
+
+
+needs_amx = pytest.mark.skipif(not _amx(), reason="no AMX here (or the CPU kernels did not build)")
+
+
+def test_tile_layout_is_the_one_the_matrix_units_read():
+    n, k = 48, 96
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tiles = tile_weight(weight)
+    assert tiles.shape == (n // 16, k // 32, 16, 32) and tiles.is_contiguous()
+    for block, k_tile, row, col, half in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 2, 5, 7, 1), (2, 1, 15, 15, 0)]:
+        assert tiles[block, k_tile, row, 2 * col + half] == weight[16 * block + col, 32 * k_tile + 2 * row + half]
+    assert torch.equal(untile_weight(tiles), weight)
+
+
+def test_only_whole_bfloat16_tiles_fit():
+    assert tiles_fit(torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert not tiles_fit(torch.zeros(32, 64))  # float32: oneDNN's
+    assert not tiles_fit(torch.zeros(40, 64, dtype=torch.bfloat16))  # 40 columns: not whole tiles
+    assert not tiles_fit(torch.zeros(32, 172, dtype=torch.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_products_agree_with_a_float32_product_rounded_once(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(208, 96, generator=generator).to(torch.bfloat16)  # 13 column tiles: an odd one at the end
+    bias = torch.randn(208, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+    exact = x.float() @ weight.float().T + (bias.float() if with_bias else 0)
+    out = linear(x, tile_weight(weight), bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 208)
+    # Summed in float32 in another order, rounded to bfloat16 once: within a unit in the last place.
+    torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=1e-3)
+    wide = torch.cat([x, x[:, :5]], dim=1)[:, :96]  # rows apart in memory
+    assert torch.equal(linear(wide, tile_weight(weight), bias), out)
+
+
+@needs_amx
+def test_tiled_products_take_any_leading_shape_and_no_rows():
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    out = linear(x, tile_weight(weight), None)
+    assert out.shape == (2, 3, 32) and torch.equal(out.view(6, 32), linear(x.view(6, 64), tile_weight(weight), None))
+    assert linear(x[0, :0], tile_weight(weight), None).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(3, 32).to(torch.bfloat16), tile_weight(weight), None)
+
+
+@needs_amx
+def test_bfloat16_weights_that_fit_go_to_the_matrix_units_the_rest_to_onednn(stories_dir):
+    model = load_model(stories_dir, "cpu", torch.bfloat16, max_positions=64)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    dense = {name: m.weight.data.clone() for name, m in linears.items()}
+    before = weight_footprint(model, torch.bfloat16).bytes
+
+    assert prepack_linears(model, tiles=True) == len(linears)
+    for name, module in linears.items():  # stories260k: intermediate size 172, not whole tiles
+        fits = tiles_fit(dense[name])
+        assert fits == (not name.endswith(("gate_up_proj", "down_proj")))
+        assert is_tiled(module.weight) == fits and module.weight.is_mkldnn == (not fits)
+        if fits:
+            assert torch.equal(untile_weight(module.weight), dense[name])
+    embedding = model.model.embed_tokens.weight
+    assert embedding.dim() == 2 and embedding.is_contiguous()  # the lookups keep their rows
+    assert weight_footprint(model, torch.bfloat16).bytes == before + embedding.numel() * embedding.element_size()
+    assert packed_for_onednn(model) == 2 * model.config.num_hidden_layers
+    assert prepack_linears(model, tiles=True) == 0
+
+
+@needs_amx
+def test_an_engine_tiles_bfloat16_weights_and_pads_rows_only_for_onednn(stories_dir):
+    prompts = ["Once upon a time", "The dog ran to the"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20)
+    runner = llm.engine.model_runner
+    assert runner.num_tiled == runner.num_prepacked - packed_for_onednn(runner.model) > 0
+    assert runner.model.pad_rows  # stories260k's MLP weights are oneDNN's
+    assert all(len(out.outputs[0].token_ids) == 12 for out in llm.generate(prompts, params, use_tqdm=False))

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_linear.h"
 #include "decode_attention_bf16.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
@@ -494,6 +495,26 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   });
 }
 
+// ---- bfloat16 products on the matrix units -------------------------------------------------------
+
+// Whether amx_linear runs here: built for a CPU with AMX, and the kernel lets this process use it.
+bool amx_available() {
+#ifdef LLMQ_HAS_AMX
+  return llmq_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
+#ifdef LLMQ_HAS_AMX
+  check_cpu(x, "x");
+  return llmq_amx::linear(x, tiles, bias);
+#else
+  TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU lacks AMX-BF16, or the compiler does not target it)");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -504,4 +525,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged cache");
   m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
+  m.def("amx_available", &amx_available, "whether amx_linear runs on this CPU");
+  m.def("amx_linear", &amx_linear, "x @ W.T (+ bias) in bfloat16 on the matrix units, W laid out in tiles",
+        py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
 }
