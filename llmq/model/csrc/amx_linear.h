@@ -27,9 +27,9 @@ namespace llmq_amx {
 constexpr int kTileRows = 16;                      // rows of an input tile and of a result tile
 constexpr int kTileInputs = 32;                    // bfloat16 inputs a tile row spans
 constexpr int kTileElements = kTileRows * kTileInputs;
-// Pairs of 16-column blocks a thread takes at a time: their tiles stay in its L2 while every group of
-// 32 rows passes over them, so a product of many rows (a prompt chunk) still reads its weight once.
-constexpr int64_t kPairsPerChunk = 8;
+// The most bytes of weight tiles in a thread's run of column pairs (kept in its L2 while every group of
+// 32 rows passes over them, beside those rows' tiles).
+constexpr int64_t kChunkBytes = 512 * 1024;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -65,6 +65,17 @@ inline void store_rows(const float (*c)[2][kTileRows][16], int row_tiles, int co
   }
 }
 
+// Every tile 16 rows of 64 bytes. Tiles 0-3: results (2 row tiles x 2 column tiles); 4-5: input rows;
+// 6-7: weight. The configuration is the calling thread's.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
 // x [M, K] bfloat16 @ tiles [N/16, K/32, 16, 32] (+ bias [N]) -> [M, N] bfloat16, summed in float32.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(permitted(), "amx_linear: the kernel refused this process the CPU's matrix units");
@@ -80,7 +91,9 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, input.options());
   if (m == 0) return out.view(out_shape);
-  // Rows padded to a multiple of 16 in a copy where needed: every tile then has one shape, configured once.
+  // Rows padded to a multiple of 16 in a copy where needed: every tile then has one shape, configured
+  // once. (Laying the input out in tiles as well, for contiguous tile loads, measured slower: the copy
+  // costs more than it saves.)
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   at::Tensor a = x;
   if (m % kTileRows != 0 || !x.is_contiguous()) {
@@ -98,24 +111,26 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
   const auto* B = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t k_tiles = tiles.size(1), a_stride = k * 2;
-  const int64_t pairs = (col_blocks + 1) / 2, chunks = (pairs + kPairsPerChunk - 1) / kPairsPerChunk;
+  // Each weight tile is read once, in memory order: a thread takes runs of column pairs, and every
+  // group of 32 rows passes over a run while its tiles are in the thread's L2.
+  const int64_t pairs = (col_blocks + 1) / 2;
+  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2;
+  // Runs no longer than kChunkBytes, as many for each thread, of (nearly) equal length.
+  const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, kChunkBytes / pair_bytes);
+  const int64_t runs = ((pairs + longest - 1) / longest + threads - 1) / threads * threads;
+  const int64_t per_chunk = (pairs + runs - 1) / runs;
+  const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
 
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    // Tiles 0-3: results (2 row tiles x 2 column tiles); 4-5: input rows; 6-7: weight.
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = kTileRows;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    configure_tiles();
     alignas(64) float c[2][2][kTileRows][16];
     for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t last_pair = std::min(pairs, (chunk + 1) * kPairsPerChunk);
+      const int64_t last_pair = std::min(pairs, (chunk + 1) * per_chunk);
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
         const bool two_rows = rt + 1 < row_tiles;
         const uint16_t* a0 = A + rt * kTileRows * k;
         const uint16_t* a1 = a0 + kTileRows * k;
-        for (int64_t pair = chunk * kPairsPerChunk; pair < last_pair; ++pair) {
+        for (int64_t pair = chunk * per_chunk; pair < last_pair; ++pair) {
           const int64_t block = pair * 2;
           const bool two_cols = block + 1 < col_blocks;
           const uint16_t* b0 = B + block * k_tiles * kTileElements;
