@@ -113,7 +113,7 @@ class ModelRunner:
                                 self.group.comm if self.group else None, quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         self.kernels = self._choose_kernels(config)
-        self.num_prepacked = (prepack_linears(self.model, tiles=getattr(self.kernels, "amx", False))
+        self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.amx)
                               if self.device.type == "cpu" and config.prepack_weights else 0)
         self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
         self.model.pad_rows = packed_for_onednn(self.model) > 0

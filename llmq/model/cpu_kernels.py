@@ -38,6 +38,7 @@ class TorchKernels:
     """The plain-PyTorch operators, on any device."""
 
     name = "torch"
+    amx = False  # products on the CPU's matrix units: the fused kernels' (NativeKernels.amx)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -67,6 +67,7 @@ def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
+    """Whether a weight was laid out by tile_weight (no dense weight of a Linear has four dimensions)."""
     return not weight.is_mkldnn and weight.dim() == 4
 
 

@@ -1,5 +1,6 @@
 // Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
-// several, each with its own allocation and thread fork. Built at first use by llmq/model/cpu_kernels.py,
+// several, each with its own allocation and thread fork. And, where the CPU has AMX, bfloat16 products on
+// its matrix units (amx_linear.h). Built at first use by llmq/model/cpu_kernels.py,
 // which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
 //
 // Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
