@@ -287,8 +287,8 @@ class ModelRunner:
                 self.execute(message)
 
     def execute(self, steps: list[StepInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the float32
-        logits of every sampler of the batch [S, vocab] in the batch's order; None elsewhere.
+        """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the logits
+        (the model's dtype) of every sampler of the batch [S, vocab] in the batch's order; None elsewhere.
         `previous_tokens`: the last step's sampled tokens, where the steps' deferred input ids are."""
         started = time.perf_counter()
         if self.decode_graphs is not None and len(steps) == 1 and self.decode_graphs.accepts(steps[0]):
@@ -325,7 +325,7 @@ class ModelRunner:
             send.wait()
         if self.rank == 0 and not stage.is_last:
             last = self.group.rank_of(stage.num_stages - 1)
-            logits = [self._receive(len(s.sample_rows), self.model_config.vocab_size, torch.float32, last)
+            logits = [self._receive(len(s.sample_rows), self.model_config.vocab_size, self.dtype, last)
                       for s in steps if s.sample_rows]
         self.timing.steps += 1
         self.timing.step_seconds += time.perf_counter() - started
@@ -334,7 +334,7 @@ class ModelRunner:
         if len(steps) == 1:
             return logits[0]
         ordered = torch.empty(sum(len(s.sampler_indices) for s in steps), self.model_config.vocab_size,
-                              device=self.device)
+                              dtype=logits[0].dtype, device=self.device)
         for step, part in zip((s for s in steps if s.sample_rows), logits):
             ordered[to_device(step.sampler_indices, self.device)] = part
         return ordered

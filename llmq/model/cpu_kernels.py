@@ -127,6 +127,16 @@ class NativeKernels(TorchKernels):
 TORCH_KERNELS = TorchKernels()
 
 
+def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (the first of equals) in one pass of the fused kernels, for CPU logits
+    [S, V] in float32 or bfloat16 with contiguous rows; None where they are not loaded (this does not
+    build them) or do not take these logits, and the caller computes it another way."""
+    if (_loaded is None or not hasattr(_loaded._ops, "argmax_rows") or not logits.is_cpu or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    return _loaded._ops.argmax_rows(logits)
+
+
 def amx_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out by cpu_prepack.tile_weight,
     which does so only where native_kernels().amx."""

@@ -177,8 +177,10 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] of the tokens that sample -> float32 logits [S, vocab]."""
+        """hidden [S, hidden] of the tokens that sample -> logits [S, vocab] in the model's dtype. The
+        sampler widens to float32 only the rows whose sampling or logprobs need it: a greedy row's
+        argmax is the same either way, and widening every row costs a pass over all of them."""
         rows = hidden.shape[0]
         if self.pad_rows:
             hidden = _pad_rows(hidden, padded_rows(rows))
-        return self.lm_head(self.model.norm(hidden))[:rows].float()
+        return self.lm_head(self.model.norm(hidden))[:rows]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from llmq.engine.sequence import Sequence
+from llmq.model.cpu_kernels import fast_argmax
 from llmq.model.device_copy import to_device
 from llmq.outputs import TokenLogprob
 
@@ -18,7 +19,7 @@ MIN_TEMPERATURE = 1e-5  # float32 logits / 1e-5 stay finite, and sampling at it 
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits float32 [S, vocab], row i for seqs[i]. Returns the token ids and, for sequences that
+    """logits [S, vocab] (float32 or the model's dtype), row i for seqs[i]. Returns the token ids and, for sequences that
     asked for them, the chosen token's log-probability with the top alternatives (of the model's
     raw distribution, before temperature or truncation, as vLLM and OpenAI report them)."""
     return SampledStep.launch(logits, seqs).result()
@@ -47,7 +48,7 @@ class SampledStep:
         packed[:, 0] = token_ids
         if wanted:
             rows = to_device(wanted, logits.device)
-            all_logprobs = torch.log_softmax(logits[rows], dim=-1)
+            all_logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
             top_values, top_ids = all_logprobs.topk(k, dim=-1)
             chosen = all_logprobs.gather(1, token_ids[rows, None])
             packed[rows, 1:] = torch.cat([chosen, top_values, top_ids.to(top_values.dtype)], dim=1).to(torch.float64)
@@ -83,16 +84,20 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:
         rows = to_device(random_rows, logits.device)
-        probs = _truncated_probs(logits[rows], [seqs[i].params for i in random_rows])
+        probs = _truncated_probs(logits[rows].float(), [seqs[i].params for i in random_rows])
         for j, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[j], 1, generator=_generator(seqs[i], logits.device))[0]
     return token_ids
 
 
 def greedy_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """logits.argmax(-1), the first index on ties, in two vectorized passes: the max of each chunk of
+    """logits.argmax(-1), the first index on ties: on a CPU in one pass of the fused kernels where
+    they are loaded (cpu_kernels.fast_argmax), else in two vectorized passes: the max of each chunk of
     the vocabulary, then the argmax inside the winning chunk. torch's argmax over a long row is a
-    scalar loop on CPU: 2.7 ms for 64 x 32000 on 2 cores, against 0.45 ms this way."""
+    scalar loop on CPU, several times slower than either."""
+    fast = fast_argmax(logits)
+    if fast is not None:
+        return fast
     rows, vocab = logits.shape
     pad = (-vocab) % chunk
     if pad:

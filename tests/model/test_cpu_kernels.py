@@ -127,3 +127,21 @@ def test_a_model_runs_every_small_operation_through_the_kernels_it_is_given(kern
         used = {module.kernels for module in runner.model.modules() if hasattr(module, "kernels")}
         assert used == {expected}
         assert runner.attention_backend == ("cpu" if expected is kernels else "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [32000, 1003, 7])
+def test_argmax_rows_is_torchs_argmax_first_of_equals(kernels, dtype, vocab):
+    if not hasattr(kernels._ops, "argmax_rows"):
+        pytest.skip("argmax_rows is built for AVX-512 only")
+    logits = _randn(6, vocab, dtype=dtype)
+    top = logits.max() + 1
+    logits[1, [vocab // 3, vocab - 1]] = top  # equal maxima in two places: the first wins
+    logits[2, [vocab - 1, vocab // 2]] = top  # the last element (a tail element where vocab % 16) ties one before it
+    logits[3] = float("-inf")  # nothing larger than -inf: index 0, as torch says
+    logits[4, 0] = top  # the very first
+    logits[5, vocab - 1] = top  # the very last
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(kernels._ops.argmax_rows(logits), expected)
+    wide = torch.cat([logits, logits[:, :5]], dim=1)[:, :vocab]  # rows apart in memory
+    assert torch.equal(kernels._ops.argmax_rows(wide), expected)

@@ -22,6 +22,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#define LLMQ_HAS_ARGMAX_ROWS 1
+#include <immintrin.h>
+#endif
+
 #include "amx_linear.h"
 #include "decode_attention_bf16.h"
 
@@ -496,6 +501,70 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   });
 }
 
+// ---- greedy sampling ------------------------------------------------------------------------------
+
+#ifdef LLMQ_HAS_ARGMAX_ROWS
+
+// 16 elements from p as float32: bfloat16 is the high half of a float32.
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// The index of each row's largest value, the first of equals, in one pass over the row: each of 16 lanes
+// keeps the first maximum of the elements it saw, then the lanes agree. The tail, after every lane's
+// elements, replaces the maximum only where strictly larger. NaN never wins (torch.argmax would pick it).
+template <typename scalar_t>
+void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const scalar_t* data = x.data_ptr<scalar_t>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* row = data + r * stride;
+      __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512i best_at = _mm512_setzero_si512(), at = lanes;
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {
+        const __m512 v = load16(row + j);
+        const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, larger, v);
+        best_at = _mm512_mask_mov_epi32(best_at, larger, at);
+        at = _mm512_add_epi32(at, sixteen);
+      }
+      float top = _mm512_reduce_max_ps(best);
+      const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      int64_t index = holders ? _mm512_mask_reduce_min_epi32(holders, best_at) : 0;
+      for (; j < n; ++j) {
+        const float v = static_cast<float>(row[j]);
+        if (v > top) {
+          top = v;
+          index = j;
+        }
+      }
+      result[r] = index;
+    }
+  });
+}
+
+// x [S, V] float32 or bfloat16, rows of contiguous values -> int64 [S]: each row's argmax, first of equals.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "argmax_rows: x must be [S, V] with contiguous rows");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kBFloat16) {
+    argmax_rows_kernel<at::BFloat16>(x, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: float32 or bfloat16");
+    argmax_rows_kernel<float>(x, out);
+  }
+  return out;
+}
+#endif
+
 // ---- bfloat16 products on the matrix units -------------------------------------------------------
 
 // Whether amx_linear runs here: built for a CPU with AMX, and the kernel lets this process use it.
@@ -526,6 +595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged cache");
   m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
+#ifdef LLMQ_HAS_ARGMAX_ROWS
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equals) in one pass");
+#endif
   m.def("amx_available", &amx_available, "whether amx_linear runs on this CPU");
   m.def("amx_linear", &amx_linear, "x @ W.T (+ bias) in bfloat16 on the matrix units, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
