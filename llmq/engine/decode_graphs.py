@@ -74,8 +74,8 @@ class DecodeGraphs:
         return step.is_decode_only and step.num_tokens <= self.buckets[-1]
 
     def run(self, step: StepInput, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits [S, vocab] (the model's dtype) of the step's sample rows, in sampler order. `previous_tokens`:
-        the last step's sampled tokens, which the step's deferred input ids are read from."""
+        """The logits [S, vocab] (the model's dtype) of the step's sample rows, in sampler order.
+        `previous_tokens`: the last step's sampled tokens, which the step's deferred input ids are read from."""
         n = step.num_tokens
         rows = self.buckets[bisect.bisect_left(self.buckets, n)]
         tables, lengths = step.decode_block_tables()

@@ -19,9 +19,9 @@ MIN_TEMPERATURE = 1e-5  # float32 logits / 1e-5 stay finite, and sampling at it 
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [S, vocab] (float32 or the model's dtype), row i for seqs[i]. Returns the token ids and, for sequences that
-    asked for them, the chosen token's log-probability with the top alternatives (of the model's
-    raw distribution, before temperature or truncation, as vLLM and OpenAI report them)."""
+    """logits [S, vocab] (float32 or the model's dtype), row i for seqs[i]. Returns the token ids and,
+    for sequences that asked for them, the chosen token's log-probability with the top alternatives
+    (of the model's raw distribution, before temperature or truncation, as vLLM and OpenAI report them)."""
     return SampledStep.launch(logits, seqs).result()
 
 
