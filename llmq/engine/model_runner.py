@@ -24,8 +24,8 @@ from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend
-from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, native_kernels, native_kernels_failure
-from llmq.model.cpu_prepack import build_kernels, is_tiled, packed_for_onednn, prepack_linears
+from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_tiled, native_kernels, native_kernels_failure
+from llmq.model.cpu_prepack import build_kernels, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig

@@ -137,10 +137,17 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
     return _loaded._ops.argmax_rows(logits)
 
 
+def is_tiled(weight: torch.Tensor) -> bool:
+    """Whether a weight was laid out in tiles for amx_linear by cpu_prepack.tile_weight: [N/16, K/32, 16,
+    32] (no dense weight of a Linear has four dimensions)."""
+    return not weight.is_mkldnn and weight.dim() == 4
+
+
 def amx_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out by cpu_prepack.tile_weight,
     which does so only where native_kernels().amx."""
     return _loaded._ops.amx_linear(x, tiles, bias)
+
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None

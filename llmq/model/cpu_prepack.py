@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmq.model.cpu_kernels import is_tiled
 from llmq.model.llama import Linear, linear
 from llmq.model.row_buckets import buckets_up_to
 from llmq.model.tensor_parallel import VocabParallelHead
@@ -66,27 +67,28 @@ def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 3, 1, 2, 4).reshape(col_blocks * TILE_COLUMNS, k_tiles * TILE_INPUTS)
 
 
-def is_tiled(weight: torch.Tensor) -> bool:
-    """Whether a weight was laid out by tile_weight (no dense weight of a Linear has four dimensions)."""
-    return not weight.is_mkldnn and weight.dim() == 4
-
-
 def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
     """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place: in
     tiles for the matrix units where `tiles` (the fused kernels report AMX) and the weight fits, else
     for oneDNN. Returns how many were packed: none where neither can multiply the model's dtype here."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
-               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)
-               and ((tiles and tiles_fit(m.weight)) or prepack_supported(m.weight.dtype))]
+               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)]
+    packed = 0
     with torch.no_grad():
-        for module in modules:  # either reads any layout (the loader's input-major view included)
-            packed = (tile_weight(module.weight.data) if tiles and tiles_fit(module.weight)
-                      else torch.ops.mkldnn._reorder_linear_weight(module.weight.data, ROWS_HINT))
-            module.weight = nn.Parameter(packed, requires_grad=False)
-        if modules:  # a tied LM head has its packed copy now: the embedding's lookups want its rows contiguous
+        for module in modules:  # either layout reads any (the loader's input-major view included)
+            weight = module.weight.data
+            if tiles and tiles_fit(weight):
+                layout = tile_weight(weight)
+            elif prepack_supported(weight.dtype):
+                layout = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
+            else:
+                continue
+            module.weight = nn.Parameter(layout, requires_grad=False)
+            packed += 1
+        if packed:  # a tied LM head has its packed copy now: the embedding's lookups want its rows contiguous
             for embedding in (m for m in model.modules() if isinstance(m, nn.Embedding)):
                 embedding.weight.data = embedding.weight.data.contiguous()
-    return len(modules)
+    return packed
 
 
 def packed_for_onednn(model: nn.Module) -> int:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
-from llmq.model.cpu_kernels import native_kernels
-from llmq.model.cpu_prepack import (build_kernels, is_tiled, packed_for_onednn, prepack_linears, prepack_supported,
-                                    tile_weight, tiles_fit, untile_weight)
+from llmq.model.cpu_kernels import is_tiled, native_kernels
+from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, prepack_linears, prepack_supported, tile_weight,
+                                    tiles_fit, untile_weight)
 from llmq.model.llama import Linear, linear
 from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
