@@ -29,6 +29,7 @@
 
 #include "amx_linear.h"
 #include "decode_attention_bf16.h"
+#include "paged_prefetch.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
 #define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                \
@@ -392,7 +393,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // One query token per sequence. q [N, H, Dh]; caches [KVH, slots, Dh], slot of position p =
 // block_tables[n][p / block_size] * block_size + p % block_size; context_lens [N] (this token included).
 // Each (sequence, KV head) pair is one piece of work: its G = H / KVH query heads share every key and
-// value it reads, in place. Softmax is exact: every score first, then the weighted sum of values.
+// value it reads, in place. Softmax is exact: every score first, then the weighted sum of values. Each
+// piece asks for the next one's keys and values into L2 before it computes.
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const torch::Tensor& context_lens,
@@ -421,6 +423,13 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      if (item + 1 < end) {
+        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                     reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                     tables + next * table_stride, lens[next], block_size,
+                                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
       }
       scores.resize(group * length);
       attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride,

@@ -23,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "paged_prefetch.h"
+
 namespace llmq_bf16 {
 
 constexpr int kKeys = 16;  // keys scored per round: one float32 register's lanes
@@ -190,6 +192,12 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
         }
         std::fill(rows.begin() + length, rows.end(), rows[length - 1]);
         rows_of = n;
+      }
+      if (item + 1 < end) {
+        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                     reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                     tables + next * table_stride, lens[next], block_size, block_size * head_dim * 2);
       }
       scores.resize(group * padded);
       probs.resize(group * padded);

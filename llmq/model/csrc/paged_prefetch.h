@@ -1,0 +1,23 @@
+// Asking for the next piece of decode attention's keys and values ahead of it, included by cpu_kernels.cpp
+// and decode_attention_bf16.h.
+#pragma once
+
+#include <cstdint>
+
+namespace llmq_prefetch {
+
+// Every line of the cache blocks that one (sequence, KV head) reads: its `length` tokens through `table`,
+// each block `block_bytes` long from the head's start (k_head, v_head). Into L2, while the piece before it
+// computes: its blocks lie anywhere in the cache, where the hardware's prefetcher cannot see them coming.
+inline void context_to_l2(const char* k_head, const char* v_head, const int32_t* table, int64_t length,
+                          int64_t block_size, int64_t block_bytes) {
+  for (int64_t block = 0; block * block_size < length; ++block) {
+    const int64_t start = static_cast<int64_t>(table[block]) * block_bytes;
+    for (int64_t offset = 0; offset < block_bytes; offset += 64) {
+      __builtin_prefetch(k_head + start + offset, 0, 2);
+      __builtin_prefetch(v_head + start + offset, 0, 2);
+    }
+  }
+}
+
+}  // namespace llmq_prefetch
