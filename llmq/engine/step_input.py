@@ -28,7 +28,7 @@ class PrefillSpanInput:
     token_start: int
     num_tokens: int
     num_cached: int
-    context_blocks: list[int] | None  # the blocks of cached + new tokens; None when nothing is cached
+    context_blocks: list[int]  # the blocks of cached + new tokens
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,7 @@ class StepInput:
             seq, n = batch.seqs[r], batch.num_new_tokens[r]
             start, table = seq.num_computed_tokens, seq.block_table
             if n > 1:
-                context = table[:-(-(start + n) // block_size)] if start else None
-                prefills.append(PrefillSpanInput(len(input_ids), n, start, context))
+                prefills.append(PrefillSpanInput(len(input_ids), n, start, table[:-(-(start + n) // block_size)]))
             known = seq.token_ids[start:start + n]
             if len(known) < n:  # a pending token: only ever a decode's one token (llmq/engine/sequence.py)
                 if pending is None or seq.seq_id not in pending:
@@ -93,12 +92,17 @@ class StepInput:
     def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_kernel: str | None = None):
         """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`
         heads and `num_blocks` blocks. `paged_kernel` ("triton", "cpu"): the decodes as one PagedDecodes
-        for that backend's kernel, instead of gather groups."""
+        for that backend's kernel, instead of gather groups; "cpu" takes the prompt chunks in it too."""
         def tensor(values, dtype=torch.long) -> torch.Tensor:
             return to_device(values, device, dtype)
 
-        groups, kernel_decodes = [], None
-        if paged_kernel and self.decodes:
+        groups, kernel_decodes, prefills = [], None, self.prefills
+        if paged_kernel == "cpu" and (self.decodes or self.prefills):
+            tables, lengths, query_tables = self.query_block_tables()
+            kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
+                                          paged_kernel, None if query_tables is None else tensor(query_tables, torch.int32))
+            prefills = []
+        elif paged_kernel and self.decodes:
             tables, lengths = self.decode_block_tables()
             kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
                                           paged_kernel)
@@ -106,9 +110,8 @@ class StepInput:
             groups = [DecodeGroup.over(g.token_start, tensor(g.block_tables), tensor(g.lengths), num_kv_heads,
                                        num_blocks, block_size) for g in self.decodes]
         spans = [PrefillSpan(s.token_start, s.num_tokens, s.num_cached,
-                             None if s.context_blocks is None else
-                             block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks))
-                 for s in self.prefills]
+                             block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks) if s.num_cached else None)
+                 for s in prefills]
         meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes)
         return tensor(self.input_ids), tensor(self.positions), meta
 
@@ -124,6 +127,21 @@ class StepInput:
         width = max(len(g.block_tables[0]) for g in self.decodes)
         tables = [t + [0] * (width - len(t)) for g in self.decodes for t in g.block_tables]
         return tables, [n for g in self.decodes for n in g.lengths]
+
+    def query_block_tables(self) -> tuple[list[list[int]], list[int], list[int] | None]:
+        """Every token row as a decode at its position, in row order: (block tables, one per decode and
+        one per prompt chunk, padded with block 0 to the widest; each row's context length, itself
+        included; each row's table, None where every row is a decode with its own)."""
+        tables, lengths = self.decode_block_tables() if self.decodes else ([], [])
+        if not self.prefills:
+            return tables, lengths, None
+        query_tables = list(range(len(lengths)))
+        for span in self.prefills:
+            query_tables.extend([len(tables)] * span.num_tokens)
+            lengths.extend(range(span.num_cached + 1, span.num_cached + span.num_tokens + 1))
+            tables.append(span.context_blocks)
+        width = max(len(t) for t in tables)
+        return [t + [0] * (width - len(t)) for t in tables], lengths, query_tables
 
     @property
     def is_decode_only(self) -> bool:

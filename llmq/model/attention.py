@@ -10,8 +10,8 @@ Three ways to attend for the decodes (EngineConfig.attention_backend): "torch" g
 and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel that reads the cache
 through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
 where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
-(llmq/model/cpu_kernels.py). Prompt chunks take SDPA in every case (its flash kernel on CUDA for a
-fresh prompt).
+(llmq/model/cpu_kernels.py). Prompt chunks take SDPA (its flash kernel on CUDA for a fresh prompt),
+except with "cpu", whose kernel takes them in the same call, each token as a decode at its position.
 """
 from __future__ import annotations
 
@@ -61,12 +61,15 @@ class DecodeGroup:
 @dataclass
 class PagedDecodes:
     """All of a step's `num_tokens` decodes (rows [0, num_tokens)), for the kernel that reads the cache
-    through their block tables."""
+    through their block tables. The "cpu" kernel takes the step's prompt chunks too, each token as a
+    decode at its own position: then num_tokens counts every row, and query_tables names each row's
+    block table (a chunk's tokens share their sequence's)."""
 
     num_tokens: int
-    block_tables: torch.Tensor  # int32 [N, max_blocks], padded with block 0
+    block_tables: torch.Tensor  # int32 [N, max_blocks], padded with block 0 (a row per sequence)
     context_lens: torch.Tensor  # int32 [N], this token included
     kernel: str = "triton"  # or "cpu": which attention backend's kernel reads them
+    query_tables: torch.Tensor | None = None  # int32 [num_tokens]: each row's block table; None: row i's is i
 
 
 @dataclass
@@ -130,7 +133,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     decodes = meta.paged_decodes
     if decodes is not None and decodes.kernel == "cpu":
         native_kernels().paged_decode_attention(q[: decodes.num_tokens], k_cache, v_cache, decodes.block_tables,
-                                                decodes.context_lens, meta.block_size, scale, out[: decodes.num_tokens])
+                                                decodes.context_lens, meta.block_size, scale, out[: decodes.num_tokens],
+                                                decodes.query_tables)
     elif decodes is not None:
         # Imported here: triton is optional, and only this backend needs it.
         from llmq.model.triton_attention import paged_decode_attention

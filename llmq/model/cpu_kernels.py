@@ -118,10 +118,13 @@ class NativeKernels(TorchKernels):
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                               scale: float, out: torch.Tensor) -> None:
-        """q [N, H, Dh] against caches [KVH, slots, Dh] through int32 block_tables [N, max_blocks] and
-        context_lens [N] (this token included), into out [N, H * Dh]."""
-        self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out)
+                               scale: float, out: torch.Tensor, query_tables: torch.Tensor | None = None) -> None:
+        """Each query token of q [N, H, Dh] as a decode against caches [KVH, slots, Dh], into out
+        [N, H * Dh]: query n reads int32 block_tables [rows, max_blocks] row query_tables[n] (int32 [N];
+        row n where None) over its context_lens[n] positions (itself included). A prompt chunk's tokens
+        share their sequence's row, each with its own length."""
+        self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
+                                         query_tables)
 
 
 TORCH_KERNELS = TorchKernels()

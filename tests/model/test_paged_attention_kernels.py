@@ -1,6 +1,7 @@
 """The decode kernels that read the paged cache in place against the torch path: Triton's
 (llmq/model/triton_attention.py), on this machine's CPU under Triton's interpreter (on a GPU the same
-tests run the compiled kernel), and the fused C++ one for a CPU (llmq/model/csrc/cpu_kernels.cpp).
+tests run the compiled kernel), and the fused C++ one for a CPU (llmq/model/csrc/cpu_kernels.cpp),
+which also takes a step's prompt chunks (fresh, or after cached tokens), each token as a decode.
 
 The kernels read the cache through block tables in place; the torch path gathers blocks and
 multiplies. They must give the same attention for every context length (one token, a block edge,
@@ -17,7 +18,7 @@ from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM
 from llmq.engine.step_input import DecodeGroupInput, PrefillSpanInput, StepInput
 from llmq.model.attention import choose_attention_backend, paged_attention
-from llmq.model.cpu_kernels import native_kernels, native_kernels_failure
+from llmq.model.cpu_kernels import TORCH_KERNELS, native_kernels, native_kernels_failure
 from llmq.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,38 +28,48 @@ on_a_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is for a C
 KERNELS = [pytest.param("triton", marks=needs_triton), pytest.param("cpu", marks=on_a_cpu)]
 
 
-def _step(lengths: list[int], generator: torch.Generator, prefill: tuple[int, int] | None = None) -> StepInput:
-    """Decodes of the given context lengths over random distinct blocks, then optionally a prompt
-    chunk of prefill[1] tokens after prefill[0] cached ones."""
+def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[int, int], ...] = ()) -> StepInput:
+    """Decodes of the given context lengths over random distinct blocks, then prompt chunks, each of
+    (cached, new) tokens: `new` tokens after `cached` ones already in the cache."""
     order = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     tables, taken = [], 0
     for length in lengths:
         count = -(-length // BLOCK_SIZE)
         tables.append(order[taken: taken + count])
         taken += count
-    width = max(len(t) for t in tables)
     slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, lengths)]
     positions = [n - 1 for n in lengths]
-    prefills = []
-    if prefill:
-        cached, new = prefill
+    spans = []
+    for cached, new in prefills:
         context = order[taken: taken + -(-(cached + new) // BLOCK_SIZE)]
-        prefills.append(PrefillSpanInput(len(lengths), new, cached, context))
+        taken += len(context)
+        spans.append(PrefillSpanInput(len(positions), new, cached, context))
         slots += [context[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new)]
         positions += list(range(cached, cached + new))
-    decode = DecodeGroupInput(0, [t + [0] * (width - len(t)) for t in tables], lengths)
+    width = max((len(t) for t in tables), default=0)
+    decodes = [DecodeGroupInput(0, [t + [0] * (width - len(t)) for t in tables], lengths)] if lengths else []
     rows = len(positions)
-    return StepInput([0] * rows, positions, slots, [decode], prefills, [], [])
+    return StepInput([0] * rows, positions, slots, decodes, spans, [], [])
+
+
+STEPS = {  # decodes' context lengths: one token, a block's edge, and the Triton kernel's 64-token tile's
+    "decodes": ([1, 4, 5, 63, 64, 65, 130], ()),
+    "decodes+chunk": ([1, 4, 5, 63, 64, 65, 130], ((9, 5),)),
+    "decodes+prompts+chunk": ([3, 17], ((0, 7), (0, 1 + 2 * BLOCK_SIZE), (6, 3))),
+    "prompts only": ([], ((0, 40), (0, 2), (5, 70))),
+}
 
 
 @pytest.mark.parametrize("kernel, head_dim", [pytest.param("triton", 24, marks=needs_triton)]
                          + [pytest.param("cpu", size, marks=on_a_cpu) for size in (24, 64, 128)], indirect=["kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_prefill", [False, True], ids=["decodes", "decodes+chunk"])
-def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, dtype, with_prefill):
+@pytest.mark.parametrize("step_name", list(STEPS))
+def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, dtype, step_name):
+    lengths, prefills = STEPS[step_name]
+    if kernel == "triton" and not lengths:
+        pytest.skip("the Triton kernel takes decodes only: a step of prompts alone never reaches it")
     generator = torch.Generator().manual_seed(7)
-    lengths = [1, 4, 5, 63, 64, 65, 130]  # one token, a block's edge, and the kernel's 64-token tile's
-    step = _step(lengths, generator, prefill=(9, 5) if with_prefill else None)
+    step = _step(lengths, generator, prefills)
     rows = step.num_tokens
     k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator)
                         .to(DEVICE, dtype) for _ in range(2))
@@ -67,11 +78,30 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, dtype, with_pre
     outs = {}
     for paged_kernel in (None, kernel):
         _, _, meta = step.to_tensors(DEVICE, NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel)
-        assert (meta.paged_decodes is not None) == bool(paged_kernel) and (not meta.decodes) == bool(paged_kernel)
+        TORCH_KERNELS.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)  # as the model does before attending
+        assert (meta.paged_decodes is not None) == bool(paged_kernel)
+        assert bool(meta.decodes) == (not paged_kernel and bool(lengths))
+        # The C++ kernel takes the prompt chunks in the same call; Triton's leaves them to SDPA.
+        assert len(meta.prefills) == (0 if paged_kernel == "cpu" else len(prefills))
         outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[kernel], outs[None], **tolerance)
-    assert outs[kernel].abs().sum() > 0  # every row written
+    assert (outs[kernel].abs().sum(dim=1) > 0).all()  # every row written
+
+
+@on_a_cpu
+def test_the_cpu_kernel_refuses_a_query_table_row_it_does_not_have():
+    kernels = native_kernels()
+    assert kernels is not None, native_kernels_failure()
+    q = torch.randn(2, NUM_HEADS, 64)
+    cache = torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, 64)
+    tables, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    out = torch.empty(2, NUM_HEADS * 64)
+    kernels.paged_decode_attention(q, cache, cache, tables, lengths, BLOCK_SIZE, 0.125, out,
+                                   torch.tensor([0, 0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="names block table row 1 of 1"):
+        kernels.paged_decode_attention(q, cache, cache, tables, lengths, BLOCK_SIZE, 0.125, out,
+                                       torch.tensor([0, 1], dtype=torch.int32))
 
 
 @pytest.fixture

@@ -284,10 +284,6 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 // ---- decode attention over the paged cache -----------------------------------------------------------
 
-// One query token per sequence. q [N, H, Dh]; caches [KVH, slots, Dh], slot of position p =
-// block_tables[n][p / block_size] * block_size + p % block_size; context_lens [N] (this token included).
-// Each (sequence, KV head) pair is one piece of work: its G = H / KVH query heads share every key and
-// value it reads, in place, once. Softmax is exact: every score first, then the weighted sum of values.
 // Asks for a cache block's lines ahead of their use: blocks lie anywhere in the cache, so the hardware's
 // prefetcher, which follows addresses, does not see the next one coming.
 template <typename scalar_t>
@@ -390,15 +386,18 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   }
 }
 
-// One query token per sequence. q [N, H, Dh]; caches [KVH, slots, Dh], slot of position p =
-// block_tables[n][p / block_size] * block_size + p % block_size; context_lens [N] (this token included).
-// Each (sequence, KV head) pair is one piece of work: its G = H / KVH query heads share every key and
-// value it reads, in place. Softmax is exact: every score first, then the weighted sum of values. Each
-// piece asks for the next one's keys and values into L2 before it computes.
+// Each query token as a decode: q [N, H, Dh]; caches [KVH, slots, Dh]; query n reads block table row
+// r = query_tables[n] (n where there are none), the slot of position p being
+// block_tables[r][p / block_size] * block_size + p % block_size, over its context_lens[n] positions (itself
+// included). A decode is one query with a row of its own; a prompt chunk's tokens share their sequence's row,
+// each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
+// G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
+// then the weighted sum of values. Thread t takes pieces t, t + threads, ... (a chunk's later queries read
+// more), and each piece asks for its thread's next one's keys and values into L2 before it computes.
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                             const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                             int64_t block_size, double scale, torch::Tensor& out) {
+                             const torch::Tensor& block_tables, const int32_t* query_tables,
+                             const torch::Tensor& context_lens, int64_t block_size, double scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), group = num_heads / num_kv_heads;
   const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
@@ -413,38 +412,42 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t chunks = head_dim % kLanes == 0 ? head_dim / kLanes : 0;
   auto attend_here = chunks == 1 ? attend<1, scalar_t> : chunks == 2 ? attend<2, scalar_t>
                    : chunks == 4 ? attend<4, scalar_t> : chunks == 8 ? attend<8, scalar_t> : attend<0, scalar_t>;
+  auto table_of = [&](int64_t n) { return tables + (query_tables != nullptr ? query_tables[n] : n) * table_stride; };
+  const int64_t items = num_seqs * num_kv_heads, threads = std::max(1, at::get_num_threads());
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     std::vector<float> query(group * head_dim), result(group * head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t length = lens[n];
-      if (length <= 0) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+    for (int64_t thread = first_thread; thread < last_thread; ++thread)
+      for (int64_t item = thread; item < items; item += threads) {
+        const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+        const int64_t length = lens[n];
+        if (length <= 0) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
+          for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+        }
+        if (item + threads < items) {
+          const int64_t next = (item + threads) / num_kv_heads, next_head = (item + threads) % num_kv_heads;
+          llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                       reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                       table_of(next), lens[next], block_size,
+                                       block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+        }
+        scores.resize(group * length);
+        attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, table_of(n),
+                    length, block_size, group, head_dim, scores.data(), result.data());
+        for (int64_t g = 0; g < group; ++g) {
+          scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);
+        }
       }
-      if (item + 1 < end) {
-        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-        llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                     reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                     tables + next * table_stride, lens[next], block_size,
-                                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
-      }
-      scores.resize(group * length);
-      attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride,
-                  tables + n * table_stride, length, block_size, group, head_dim, scores.data(), result.data());
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);
-      }
-    }
   });
 }
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                            int64_t block_size, double scale, torch::Tensor& out) {
+                            int64_t block_size, double scale, torch::Tensor& out,
+                            const c10::optional<torch::Tensor>& query_tables) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -455,8 +458,20 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
               "the query heads must be a multiple of the KV heads, at most ", kMaxGroup, " per KV head");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.dim() == 2 && block_tables.stride(1) == 1 && context_lens.is_contiguous() &&
-                  block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0),
-              "block_tables [N, max_blocks] and context_lens [N] must be int32");
+                  context_lens.size(0) >= q.size(0),
+              "block_tables [rows, max_blocks] and context_lens [N] must be int32");
+  const int32_t* query_table_ptr = nullptr;
+  if (query_tables.has_value() && query_tables->defined()) {
+    TORCH_CHECK(query_tables->scalar_type() == at::kInt && query_tables->dim() == 1 && query_tables->is_contiguous() &&
+                    query_tables->size(0) >= q.size(0),
+                "query_tables must be int32 [N]");
+    query_table_ptr = query_tables->data_ptr<int32_t>();
+    for (int64_t n = 0; n < q.size(0); ++n)
+      TORCH_CHECK(query_table_ptr[n] >= 0 && query_table_ptr[n] < block_tables.size(0), "query ", n,
+                  " names block table row ", query_table_ptr[n], " of ", block_tables.size(0));
+  } else {
+    TORCH_CHECK(block_tables.size(0) >= q.size(0), "block_tables needs a row for each query");
+  }
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) >= q.size(0) &&
                   out.size(1) == q.size(1) * q.size(2) && out.scalar_type() == q.scalar_type(),
               "out must be [N, H * head_dim] in q's dtype");
@@ -464,14 +479,15 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   if (q.scalar_type() == at::kBFloat16 && llmq_bf16::supports(q.size(2))) {
     llmq_bf16::decode_attention(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
                                 v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
-                                block_tables.stride(0), context_lens.data_ptr<int32_t>(), q.size(0), q.size(1),
-                                k_cache.size(0), q.size(2), block_size, static_cast<float>(scale),
+                                block_tables.stride(0), query_table_ptr, context_lens.data_ptr<int32_t>(), q.size(0),
+                                q.size(1), k_cache.size(0), q.size(2), block_size, static_cast<float>(scale),
                                 out.data_ptr<at::BFloat16>(), out.stride(0));
     return;
   }
 #endif
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+    decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_table_ptr, context_lens, block_size,
+                                      scale, out);
   });
 }
 
@@ -612,7 +628,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual) * weight, x + residual)");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("paged_decode_attention", &paged_decode_attention, "one query token per sequence over the paged cache");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "each query token as a decode over the paged cache, through its own or a shared block table row",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("query_tables") = py::none());
   m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
 #ifdef LLMQ_HAS_ARGMAX_ROWS

@@ -162,49 +162,61 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
 inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // q [N, H, Dh] (heads contiguous), caches [KVH, slots, Dh] contiguous, out [N, H * Dh] rows `out_stride` apart.
+// Query n reads the cache through block table row query_tables[n] (row n where query_tables is null).
 inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_head_stride,
                              const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t cache_head_stride,
-                             const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, c10::BFloat16* out, int64_t out_stride) {
+                             const int32_t* tables, int64_t table_stride, const int32_t* query_tables,
+                             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, c10::BFloat16* out,
+                             int64_t out_stride) {
   const int64_t group = num_heads / num_kv_heads;
   auto attend_here = head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>;
   const auto* qp = reinterpret_cast<const uint16_t*>(q);
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   auto* op = reinterpret_cast<uint16_t*>(out);
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = num_seqs * num_kv_heads, threads = std::max(1, at::get_num_threads());
+  // Thread t takes items t, t + threads, ...: a prompt chunk's queries have ever longer contexts, so
+  // contiguous halves would leave one thread most of the work.
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     std::vector<float> scores;
     std::vector<uint16_t> probs;
-    std::vector<int64_t> rows;  // the sequence's token rows, shared by its KV heads
-    int64_t rows_of = -1;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t length = lens[n];
-      if (length <= 0) continue;
-      const int64_t padded = (length + kKeys - 1) / kKeys * kKeys;
-      if (rows_of != n) {
-        rows.resize(padded);
-        const int32_t* table = tables + n * table_stride;
-        for (int64_t first = 0, block = 0; first < length; first += block_size, ++block) {
-          const int64_t row = static_cast<int64_t>(table[block]) * block_size * head_dim;
-          for (int64_t t = first; t < std::min(length, first + block_size); ++t) rows[t] = row + (t - first) * head_dim;
+    // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
+    // padded length repeat the last one. Shared by the table's KV heads and by a chunk's queries, each
+    // of which reads a prefix.
+    std::vector<int64_t> rows;
+    int64_t rows_of = -1, rows_built = 0;
+    for (int64_t thread = first_thread; thread < last_thread; ++thread)
+      for (int64_t item = thread; item < items; item += threads) {
+        const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+        const int64_t length = lens[n];
+        if (length <= 0) continue;
+        const int64_t table_row = query_tables != nullptr ? query_tables[n] : n;
+        const int64_t padded = (length + kKeys - 1) / kKeys * kKeys;
+        if (rows_of != table_row) {
+          rows_of = table_row;
+          rows_built = 0;
         }
-        std::fill(rows.begin() + length, rows.end(), rows[length - 1]);
-        rows_of = n;
+        if (static_cast<int64_t>(rows.size()) < padded) rows.resize(padded);
+        const int32_t* table = tables + table_row * table_stride;
+        for (int64_t t = rows_built; t < length; ++t)
+          rows[t] = static_cast<int64_t>(table[t / block_size]) * block_size * head_dim + (t % block_size) * head_dim;
+        rows_built = std::max(rows_built, length);
+        std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
+        if (item + threads < items) {
+          const int64_t next = (item + threads) / num_kv_heads, next_head = (item + threads) % num_kv_heads;
+          const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
+          llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                       reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                       tables + next_row * table_stride, lens[next], block_size,
+                                       block_size * head_dim * 2);
+        }
+        scores.resize(group * padded);
+        probs.resize(group * padded);
+        attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
+                    kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
+                    scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim);
       }
-      if (item + 1 < end) {
-        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-        llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                     reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                     tables + next * table_stride, lens[next], block_size, block_size * head_dim * 2);
-      }
-      scores.resize(group * padded);
-      probs.resize(group * padded);
-      attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
-                  kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
-                  scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim);
-    }
   });
 }
 
