@@ -30,6 +30,7 @@
 #include "amx_linear.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
+#include "work_split.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
 #define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                \
@@ -392,8 +393,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // included). A decode is one query with a row of its own; a prompt chunk's tokens share their sequence's row,
 // each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
 // G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
-// then the weighted sum of values. Thread t takes pieces t, t + threads, ... (a chunk's later queries read
-// more), and each piece asks for its thread's next one's keys and values into L2 before it computes.
+// then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work
+// (work_split.h), and each piece asks for the next one's keys and values into L2 before it computes.
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const int32_t* query_tables,
@@ -413,12 +414,13 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
   auto attend_here = chunks == 1 ? attend<1, scalar_t> : chunks == 2 ? attend<2, scalar_t>
                    : chunks == 4 ? attend<4, scalar_t> : chunks == 8 ? attend<8, scalar_t> : attend<0, scalar_t>;
   auto table_of = [&](int64_t n) { return tables + (query_tables != nullptr ? query_tables[n] : n) * table_stride; };
-  const int64_t items = num_seqs * num_kv_heads, threads = std::max(1, at::get_num_threads());
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<int64_t> runs = llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads);
 
-  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
     std::vector<float> query(group * head_dim), result(group * head_dim), scores;
-    for (int64_t thread = first_thread; thread < last_thread; ++thread)
-      for (int64_t item = thread; item < items; item += threads) {
+    for (int64_t run = first_run; run < last_run; ++run)
+      for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
         const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t length = lens[n];
         if (length <= 0) continue;
@@ -426,8 +428,8 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
           const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
           for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
         }
-        if (item + threads < items) {
-          const int64_t next = (item + threads) / num_kv_heads, next_head = (item + threads) % num_kv_heads;
+        if (item + 1 < runs[run + 1]) {
+          const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
           llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
                                        reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
                                        table_of(next), lens[next], block_size,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "paged_prefetch.h"
+#include "work_split.h"
 
 namespace llmq_bf16 {
 
@@ -175,10 +176,9 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   auto* op = reinterpret_cast<uint16_t*>(out);
-  const int64_t items = num_seqs * num_kv_heads, threads = std::max(1, at::get_num_threads());
-  // Thread t takes items t, t + threads, ...: a prompt chunk's queries have ever longer contexts, so
-  // contiguous halves would leave one thread most of the work.
-  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<int64_t> runs = llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
     std::vector<float> scores;
     std::vector<uint16_t> probs;
     // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
@@ -186,8 +186,8 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
     // of which reads a prefix.
     std::vector<int64_t> rows;
     int64_t rows_of = -1, rows_built = 0;
-    for (int64_t thread = first_thread; thread < last_thread; ++thread)
-      for (int64_t item = thread; item < items; item += threads) {
+    for (int64_t run = first_run; run < last_run; ++run)
+      for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
         const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t length = lens[n];
         if (length <= 0) continue;
@@ -199,12 +199,14 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
         }
         if (static_cast<int64_t>(rows.size()) < padded) rows.resize(padded);
         const int32_t* table = tables + table_row * table_stride;
-        for (int64_t t = rows_built; t < length; ++t)
-          rows[t] = static_cast<int64_t>(table[t / block_size]) * block_size * head_dim + (t % block_size) * head_dim;
-        rows_built = std::max(rows_built, length);
+        while (rows_built < length) {  // a block at a time: one division per block, not per token
+          const int64_t block = rows_built / block_size, block_end = std::min(length, (block + 1) * block_size);
+          const int64_t base = static_cast<int64_t>(table[block]) * block_size * head_dim - block * block_size * head_dim;
+          for (; rows_built < block_end; ++rows_built) rows[rows_built] = base + rows_built * head_dim;
+        }
         std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
-        if (item + threads < items) {
-          const int64_t next = (item + threads) / num_kv_heads, next_head = (item + threads) % num_kv_heads;
+        if (item + 1 < runs[run + 1]) {
+          const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
           const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
           llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
                                        reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
