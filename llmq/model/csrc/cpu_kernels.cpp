@@ -394,7 +394,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
 // G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
 // then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work
-// (work_split.h), and each piece asks for the next one's keys and values into L2 before it computes.
+// (work_split.h), and each piece asks for the next one's keys and values into L2 before it computes,
+// unless the next one's query follows another of its table's (a chunk's: those blocks are warm).
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const int32_t* query_tables,
@@ -428,8 +429,8 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
           const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
           for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
         }
-        if (item + 1 < runs[run + 1]) {
-          const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        if (item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next)) {
           llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
                                        reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
                                        table_of(next), lens[next], block_size,

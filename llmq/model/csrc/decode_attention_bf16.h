@@ -205,8 +205,8 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
           for (; rows_built < block_end; ++rows_built) rows[rows_built] = base + rows_built * head_dim;
         }
         std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
-        if (item + 1 < runs[run + 1]) {
-          const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+        if (item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next)) {
           const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
           llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
                                        reinterpret_cast<const char*>(vp + next_head * cache_head_stride),

@@ -20,4 +20,11 @@ inline void context_to_l2(const char* k_head, const char* v_head, const int32_t*
   }
 }
 
+// Whether query n is the first to read its block table row (query_tables[n], or n's own where there are
+// none): a decode always is; a prompt chunk's later tokens re-read the blocks their predecessor just read,
+// which are still in L2, and asking for them again costs more than it saves.
+inline bool first_of_its_table(const int32_t* query_tables, int64_t n) {
+  return query_tables == nullptr || n == 0 || query_tables[n] != query_tables[n - 1];
+}
+
 }  // namespace llmq_prefetch
