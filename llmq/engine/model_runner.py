@@ -23,7 +23,8 @@ from llmq.engine.dtype import checkpoint_dtype, choose_dtype, cpu_native_bf16
 from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
 from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
-from llmq.model.attention import PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend
+from llmq.model.attention import (PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend,
+                                  longest_kernel_prompt)
 from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_tiled, native_kernels, native_kernels_failure
 from llmq.model.cpu_prepack import build_kernels, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
@@ -304,7 +305,8 @@ class ModelRunner:
         sends, logits = [], []
         for step in steps:
             input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
-                                                         self.block_size, self._paged_kernel)
+                                                         self.block_size, self._paged_kernel,
+                                                         longest_kernel_prompt(local.num_attention_heads))
             step.read_deferred_ids(input_ids, previous_tokens)
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))

@@ -89,19 +89,26 @@ class StepInput:
                    [last_token_row[batch.logits_rows[i]] for i in sampler_indices], sampler_indices,
                    list(batch.block_copies) if with_block_copies else [], deferred_ids)
 
-    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_kernel: str | None = None):
+    def to_tensors(self, device, num_kv_heads: int, num_blocks: int, block_size: int, paged_kernel: str | None = None,
+                   longest_kernel_prompt: int | None = None):
         """(input_ids [T], positions [T], AttentionMetadata) on `device`, for a cache of `num_kv_heads`
         heads and `num_blocks` blocks. `paged_kernel` ("triton", "cpu"): the decodes as one PagedDecodes
-        for that backend's kernel, instead of gather groups; "cpu" takes the prompt chunks in it too."""
+        for that backend's kernel, instead of gather groups; "cpu" takes in it too the prompt chunks whose
+        context is at most `longest_kernel_prompt` tokens (every chunk where None; see
+        llmq/model/attention.py's longest_kernel_prompt)."""
         def tensor(values, dtype=torch.long) -> torch.Tensor:
             return to_device(values, device, dtype)
 
         groups, kernel_decodes, prefills = [], None, self.prefills
         if paged_kernel == "cpu" and (self.decodes or self.prefills):
-            tables, lengths, query_tables = self.query_block_tables()
-            kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
-                                          paged_kernel, None if query_tables is None else tensor(query_tables, torch.int32))
-            prefills = []
+            limit = longest_kernel_prompt if longest_kernel_prompt is not None else max(
+                (s.num_cached + s.num_tokens for s in self.prefills), default=0)
+            tables, lengths, query_tables = self.query_block_tables(limit)
+            if tables:
+                kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
+                                              paged_kernel,
+                                              None if query_tables is None else tensor(query_tables, torch.int32))
+            prefills = [s for s in self.prefills if s.num_cached + s.num_tokens > limit]
         elif paged_kernel and self.decodes:
             tables, lengths = self.decode_block_tables()
             kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
@@ -128,18 +135,26 @@ class StepInput:
         tables = [t + [0] * (width - len(t)) for g in self.decodes for t in g.block_tables]
         return tables, [n for g in self.decodes for n in g.lengths]
 
-    def query_block_tables(self) -> tuple[list[list[int]], list[int], list[int] | None]:
-        """Every token row as a decode at its position, in row order: (block tables, one per decode and
-        one per prompt chunk, padded with block 0 to the widest; each row's context length, itself
-        included; each row's table, None where every row is a decode with its own)."""
+    def query_block_tables(self, longest_prompt: int) -> tuple[list[list[int]], list[int], list[int] | None]:
+        """Every token row as a decode at its position, in row order, for the "cpu" kernel: (block tables,
+        one per decode and one per prompt chunk whose context is at most `longest_prompt` tokens, padded
+        with block 0 to the widest; each row's context length, itself included, 0 for the rows of a
+        longer chunk, which SDPA takes; each row's table, None where every row is a decode with its own).
+        No tables where the kernel has nothing to take."""
         tables, lengths = self.decode_block_tables() if self.decodes else ([], [])
         if not self.prefills:
             return tables, lengths, None
         query_tables = list(range(len(lengths)))
         for span in self.prefills:
-            query_tables.extend([len(tables)] * span.num_tokens)
-            lengths.extend(range(span.num_cached + 1, span.num_cached + span.num_tokens + 1))
-            tables.append(span.context_blocks)
+            if span.num_cached + span.num_tokens <= longest_prompt:
+                query_tables.extend([len(tables)] * span.num_tokens)
+                lengths.extend(range(span.num_cached + 1, span.num_cached + span.num_tokens + 1))
+                tables.append(span.context_blocks)
+            else:
+                query_tables.extend([0] * span.num_tokens)
+                lengths.extend([0] * span.num_tokens)
+        if not tables:
+            return [], [], None
         width = max(len(t) for t in tables)
         return [t + [0] * (width - len(t)) for t in tables], lengths, query_tables
 

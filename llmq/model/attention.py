@@ -11,11 +11,13 @@ and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel 
 through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
 where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
 (llmq/model/cpu_kernels.py). Prompt chunks take SDPA (its flash kernel on CUDA for a fresh prompt),
-except with "cpu", whose kernel takes them in the same call, each token as a decode at its position.
+except short ones with "cpu", whose kernel takes them in the same call, each token as a decode at its
+position (longest_kernel_prompt).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -61,9 +63,9 @@ class DecodeGroup:
 @dataclass
 class PagedDecodes:
     """All of a step's `num_tokens` decodes (rows [0, num_tokens)), for the kernel that reads the cache
-    through their block tables. The "cpu" kernel takes the step's prompt chunks too, each token as a
-    decode at its own position: then num_tokens counts every row, and query_tables names each row's
-    block table (a chunk's tokens share their sequence's)."""
+    through their block tables. The "cpu" kernel takes the step's short prompt chunks too, each token as
+    a decode at its own position: then num_tokens counts every row, query_tables names each row's block
+    table (a chunk's tokens share their sequence's), and a row left to SDPA has context length 0."""
 
     num_tokens: int
     block_tables: torch.Tensor  # int32 [N, max_blocks], padded with block 0 (a row per sequence)
@@ -82,6 +84,18 @@ class AttentionMetadata:
 
 
 PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
+
+# The "cpu" kernel takes a prompt chunk while its query heads times its context squared is at most this.
+# Each of its tokens is then a decode: that saves SDPA's cost per call, which is what a short prompt pays,
+# but its work grows with the context faster than SDPA's (benchmarks/prompt_attention.py measures where
+# the two cross: about 128 tokens at 8 query heads, 64 at 32).
+PROMPT_KERNEL_WORK = 8 * 128 ** 2
+
+
+def longest_kernel_prompt(num_heads: int) -> int:
+    """The longest context (cached and new tokens) of a prompt chunk that the "cpu" attention kernel
+    takes, for a layer of `num_heads` query heads; longer chunks take SDPA."""
+    return math.isqrt(PROMPT_KERNEL_WORK // max(1, num_heads))
 
 
 def choose_attention_backend(requested: str, device_type: str, cpu_kernels: bool = False) -> str:

@@ -17,7 +17,7 @@ import torch
 from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM
 from llmq.engine.step_input import DecodeGroupInput, PrefillSpanInput, StepInput
-from llmq.model.attention import choose_attention_backend, paged_attention
+from llmq.model.attention import choose_attention_backend, longest_kernel_prompt, paged_attention
 from llmq.model.cpu_kernels import TORCH_KERNELS, native_kernels, native_kernels_failure
 from llmq.sampling_params import SamplingParams
 
@@ -58,6 +58,11 @@ STEPS = {  # decodes' context lengths: one token, a block's edge, and the Triton
     "decodes+prompts+chunk": ([3, 17], ((0, 7), (0, 1 + 2 * BLOCK_SIZE), (6, 3))),
     "prompts only": ([], ((0, 40), (0, 2), (5, 70))),
 }
+# Steps whose longer prompt chunks the "cpu" kernel leaves to SDPA: (decodes, chunks, longest context it takes).
+ROUTED_STEPS = {
+    "a long chunk between short ones": ([3, 17], ((0, 7), (4, 40), (5, 20)), 32),
+    "long prompts only": ([], ((0, 40), (0, 70)), 32),
+}
 
 
 @pytest.mark.parametrize("kernel, head_dim", [pytest.param("triton", 24, marks=needs_triton)]
@@ -88,6 +93,40 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, dtype, step_nam
                  torch.float16: dict(rtol=5e-3, atol=5e-3)}[dtype]
     torch.testing.assert_close(outs[kernel], outs[None], **tolerance)
     assert (outs[kernel].abs().sum(dim=1) > 0).all()  # every row written
+
+
+@on_a_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step_name", list(ROUTED_STEPS))
+def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
+    assert native_kernels() is not None, native_kernels_failure()
+    lengths, prefills, longest = ROUTED_STEPS[step_name]
+    generator = torch.Generator().manual_seed(11)
+    step = _step(lengths, generator, prefills)
+    head_dim, rows = 64, step.num_tokens
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(dtype) for _ in range(2))
+    outs = {}
+    for paged_kernel in (None, "cpu"):
+        _, _, meta = step.to_tensors("cpu", NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel,
+                                     longest_kernel_prompt=longest)
+        TORCH_KERNELS.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
+        if paged_kernel:
+            long_spans = [(c, n) for c, n in prefills if c + n > longest]
+            assert [(s.num_cached, s.num_tokens) for s in meta.prefills] == long_spans  # SDPA takes exactly these
+            assert (meta.paged_decodes is not None) == (bool(lengths) or len(long_spans) < len(prefills))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs["cpu"], outs[None], **tolerance)
+    assert (outs["cpu"].abs().sum(dim=1) > 0).all()
+
+
+def test_the_longest_prompt_the_kernel_takes_shrinks_with_the_query_heads():
+    assert longest_kernel_prompt(8) == 128
+    assert longest_kernel_prompt(32) == 64
+    assert longest_kernel_prompt(1) > longest_kernel_prompt(2) > longest_kernel_prompt(64)
 
 
 @on_a_cpu

@@ -1,0 +1,84 @@
+"""A fresh prompt's attention two ways: SDPA, and the CPU kernel taking each token as a decode.
+
+    python benchmarks/prompt_attention.py
+
+With the `cpu` attention backend, a prompt chunk goes to the C++ kernel while its query heads times its
+context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK, and to SDPA otherwise. This
+prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64) and the 1.1 B
+model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and float32, and
+which way the engine takes it. The kernel saves SDPA's cost per call; SDPA's work grows more slowly
+with the context. Each engine call to SDPA also pays some Python around it, which this leaves out.
+2 threads; best of 3.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmq.model.attention import longest_kernel_prompt  # noqa: E402
+from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noqa: E402
+
+SHAPES = {"bench-42m": (8, 4, 64), "llama-1b": (32, 4, 64)}
+LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
+BLOCK_SIZE = 8
+
+
+def best_of_3(run) -> float:
+    run()
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype):
+    """(SDPA seconds, kernel seconds) for a fresh prompt of `length` tokens."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    blocks = -(-length // BLOCK_SIZE)
+    k_cache, v_cache = (torch.zeros(kv_heads, blocks * BLOCK_SIZE, head_dim, dtype=dtype) for _ in range(2))
+    k_cache[:, :length], v_cache[:, :length] = k.transpose(0, 1), v.transpose(0, 1)
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    lengths = torch.arange(1, length + 1, dtype=torch.int32)
+    query_tables = torch.zeros(length, dtype=torch.int32)
+    out = torch.empty(length, heads * head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+
+    def sdpa():
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=True)
+
+    def kernel():
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, BLOCK_SIZE, scale, out, query_tables)
+
+    return best_of_3(sdpa), best_of_3(kernel)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    kernels = native_kernels()
+    if kernels is None:
+        sys.exit(f"the CPU kernels did not build here: {native_kernels_failure()}")
+    print("| shape | dtype | prompt tokens | SDPA, ms | kernel, ms | kernel / SDPA | the engine takes |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (heads, kv_heads, head_dim) in SHAPES.items():
+        longest = longest_kernel_prompt(heads)
+        for dtype in (torch.bfloat16, torch.float32):
+            for length in LENGTHS:
+                sdpa, kernel = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)
+                print(f"| {name} | {str(dtype).removeprefix('torch.')} | {length} | {sdpa * 1e3:.2f} | "
+                      f"{kernel * 1e3:.2f} | {kernel / sdpa:.2f} | {'kernel' if length <= longest else 'SDPA'} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
