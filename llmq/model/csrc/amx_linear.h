@@ -28,8 +28,16 @@ constexpr int kTileRows = 16;                      // rows of an input tile and 
 constexpr int kTileInputs = 32;                    // bfloat16 inputs a tile row spans
 constexpr int kTileElements = kTileRows * kTileInputs;
 // The most bytes of weight tiles in a thread's run of column pairs (kept in its L2 while every group of
-// 32 rows passes over them, beside those rows' tiles).
+// 32 rows passes over them, beside those rows' tiles). Decode-sized products (up to kFewRowTiles row
+// tiles) take shorter runs: the first group's pass over a run waits on memory and the later groups' do
+// not, so short runs alternate the two more finely.
 constexpr int64_t kChunkBytes = 512 * 1024;
+constexpr int64_t kFewRowTiles = 4;
+constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
+// The first group's pass asks for the weight tiles this many k-steps ahead into L2: a tile load that
+// misses stalls the matrix units until its bytes arrive (tile registers are not renamed, so nothing is
+// loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead.
+constexpr int64_t kPrefetchSteps = 16;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -62,6 +70,21 @@ inline void store_rows(const float (*c)[2][kTileRows][16], int row_tiles, int co
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * n + col), (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
+  }
+}
+
+// Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
+// last is in the pairs after it) into L2: the tiles of both its column blocks, as a pass reads them.
+inline void prefetch_weight_step(const uint16_t* tiles, int64_t pair, int64_t step, int64_t pairs, int64_t k_tiles,
+                                 int64_t col_blocks) {
+  pair += step / k_tiles;
+  if (pair >= pairs) return;
+  const int64_t block = pair * 2;
+  const char* first = reinterpret_cast<const char*>(tiles + (block * k_tiles + step % k_tiles) * kTileElements);
+  for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T1);
+  if (block + 1 < col_blocks) {
+    const char* second = first + k_tiles * kTileElements * 2;
+    for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) _mm_prefetch(second + offset, _MM_HINT_T1);
   }
 }
 
@@ -116,7 +139,8 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
   const int64_t pairs = (col_blocks + 1) / 2;
   const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2;
   // Runs no longer than kChunkBytes, as many for each thread, of (nearly) equal length.
-  const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, kChunkBytes / pair_bytes);
+  const int64_t chunk_bytes = row_tiles <= kFewRowTiles ? kFewRowsChunkBytes : kChunkBytes;
+  const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, chunk_bytes / pair_bytes);
   const int64_t runs = ((pairs + longest - 1) / longest + threads - 1) / threads * threads;
   const int64_t per_chunk = (pairs + runs - 1) / runs;
   const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
@@ -140,6 +164,7 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t kt = 0; kt < k_tiles; ++kt) {
+            if (rt == 0) prefetch_weight_step(B, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
             _tile_loadd(4, a0 + kt * kTileInputs, a_stride);
             _tile_loadd(6, b0 + kt * kTileElements, 64);
             _tile_dpbf16ps(0, 4, 6);
