@@ -64,6 +64,10 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def silu_and_mul_of(self, gate_up_proj, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(gate_up_proj(x)): the MLP's gate and up projections and their product."""
+        return self.silu_and_mul(gate_up_proj(x))
+
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -105,6 +109,14 @@ class NativeKernels(TorchKernels):
             return self._ops.silu_and_mul(gate_up)
         return TorchKernels.silu_and_mul(gate_up)
 
+    def silu_and_mul_of(self, gate_up_proj, x):
+        """In one pass on the matrix units where the projection's weight is laid out paired
+        (cpu_prepack.tile_gate_up): the [T, 2 I] product is never stored."""
+        weight = getattr(gate_up_proj, "weight", None)
+        if weight is not None and is_paired(weight):
+            return self._ops.amx_silu_and_mul(x, weight, gate_up_proj.bias)
+        return TorchKernels.silu_and_mul_of(self, gate_up_proj, x)
+
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         if k_cache.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1 and slot_mapping.dtype == torch.long:
             self._ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
@@ -141,13 +153,19 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
-    """Whether a weight was laid out in tiles for amx_linear by cpu_prepack.tile_weight: [N/16, K/32, 16,
-    32] (no dense weight of a Linear has four dimensions)."""
-    return not weight.is_mkldnn and weight.dim() == 4
+    """Whether a weight was laid out in tiles for amx_linear: [N/16, K/32, 16, 32] by
+    cpu_prepack.tile_weight, or paired [N/32, 2, K/32, 16, 32] by cpu_prepack.tile_gate_up (no dense
+    weight of a Linear has four or five dimensions)."""
+    return not weight.is_mkldnn and weight.dim() in (4, 5)
+
+
+def is_paired(weight: torch.Tensor) -> bool:
+    """Whether a gate/up weight was laid out paired by cpu_prepack.tile_gate_up."""
+    return not weight.is_mkldnn and weight.dim() == 5
 
 
 def amx_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out by cpu_prepack.tile_weight,
+    """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out in tiles by cpu_prepack,
     which does so only where native_kernels().amx."""
     return _loaded._ops.amx_linear(x, tiles, bias)
 

@@ -6,7 +6,8 @@ that repacking costs more than the arithmetic. So each weight is laid out once, 
 and `linear` in llama.py runs the product its layout is for:
 - bfloat16 on a CPU with AMX (where the fused CPU kernels are in use and report it): tiles for the
   matrix units (`tile_weight`), multiplied by csrc/amx_linear.h, which reads a decode step's weights
-  at close to the memory's speed where oneDNN's product does not;
+  at close to the memory's speed where oneDNN's product does not. An MLP's gate/up weight is laid out
+  paired (`tile_gate_up`), so that its product and SiLU run in one pass;
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from llmq.model.cpu_kernels import is_tiled
-from llmq.model.llama import Linear, linear
+from llmq.model.llama import Linear, LlamaMLP, linear
 from llmq.model.row_buckets import buckets_up_to
 from llmq.model.tensor_parallel import VocabParallelHead
 
@@ -60,8 +61,18 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
                                                           TILE_INPUTS)
 
 
+def tile_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up weight [2 I, K] (gate's rows, then up's) -> [I/16, 2, K/32, 16, 32]: pair p holds
+    gate's column tile p, then up's, so that one pass of the matrix units has both halves of the same 16
+    outputs of silu(gate) * up (cpu_kernels' amx_silu_and_mul)."""
+    gate, up = weight.chunk(2)
+    return torch.stack([tile_weight(gate), tile_weight(up)], dim=1)
+
+
 def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
-    """tile_weight's inverse: [N/16, K/32, 16, 32] -> [N, K]."""
+    """tile_weight's (and tile_gate_up's) inverse: [N/16, K/32, 16, 32] -> [N, K]."""
+    if tiles.dim() == 5:
+        return torch.cat([untile_weight(tiles[:, 0]), untile_weight(tiles[:, 1])])
     col_blocks, k_tiles = tiles.shape[:2]
     pairs = tiles.view(col_blocks, k_tiles, TILE_INPUTS // 2, TILE_COLUMNS, 2)
     return pairs.permute(0, 3, 1, 2, 4).reshape(col_blocks * TILE_COLUMNS, k_tiles * TILE_INPUTS)
@@ -73,11 +84,15 @@ def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
     for oneDNN. Returns how many were packed: none where neither can multiply the model's dtype here."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
                and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)]
+    # The MLPs' gate/up projections go paired, for their product and SiLU in one pass.
+    gate_ups = {id(m.gate_up_proj) for m in model.modules() if isinstance(m, LlamaMLP)}
     packed = 0
     with torch.no_grad():
         for module in modules:  # either layout reads any (the loader's input-major view included)
             weight = module.weight.data
-            if tiles and tiles_fit(weight):
+            if tiles and id(module) in gate_ups and tiles_fit(weight) and weight.shape[0] % (2 * TILE_COLUMNS) == 0:
+                layout = tile_gate_up(weight)
+            elif tiles and tiles_fit(weight):
                 layout = tile_weight(weight)
             elif prepack_supported(weight.dtype):
                 layout = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)

@@ -99,7 +99,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x):
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul_of(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
-from llmq.model.cpu_kernels import is_tiled, native_kernels
-from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, prepack_linears, prepack_supported, tile_weight,
-                                    tiles_fit, untile_weight)
-from llmq.model.llama import Linear, linear
+from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_tiled, native_kernels
+from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, prepack_linears, prepack_supported, tile_gate_up,
+                                    tile_weight, tiles_fit, untile_weight)
+from llmq.model.llama import Linear, LlamaForCausalLM, LlamaMLP, linear
+from llmq.model.model_config import ModelConfig
 from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
 from llmq.model.row_buckets import buckets_up_to
@@ -124,6 +125,55 @@ def test_tiled_products_agree_with_a_float32_product_rounded_once(rows, with_bia
     torch.testing.assert_close(out.float(), exact, rtol=2 ** -7, atol=1e-3)
     wide = torch.cat([x, x[:, :5]], dim=1)[:, :96]  # rows apart in memory
     assert torch.equal(linear(wide, tile_weight(weight), bias), out)
+
+
+def test_a_paired_gate_up_holds_each_gate_tile_beside_its_up_tile():
+    weight = torch.arange(64 * 64, dtype=torch.float32).view(64, 64).to(torch.bfloat16)  # gate: rows 0-31, up: 32-63
+    paired = tile_gate_up(weight)
+    assert paired.shape == (2, 2, 2, 16, 32) and is_tiled(paired) and is_paired(paired)
+    assert torch.equal(paired[1, 0], tile_weight(weight[:32])[1])  # pair 1: gate's second column tile ...
+    assert torch.equal(paired[1, 1], tile_weight(weight[32:])[1])  # ... beside up's second
+    assert torch.equal(untile_weight(paired), weight)
+    assert not is_paired(tile_weight(weight))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_paired_gate_up_multiplies_as_its_dense_weight_and_fuses_silu_exactly(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    intermediate, hidden = 48, 96  # 3 column tiles a half: an odd last pair in the plain layout
+    weight = torch.randn(2 * intermediate, hidden, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(2 * intermediate, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, hidden, generator=generator).to(torch.bfloat16) * 2
+    plain = linear(x, tile_weight(weight), bias)
+    assert torch.equal(linear(x, tile_gate_up(weight), bias), plain)  # the columns in their dense order
+    kernels = native_kernels()
+    projection = Linear(hidden, 2 * intermediate, with_bias, "cpu", torch.bfloat16)
+    projection.weight.data, projection.bias = tile_gate_up(weight), (None if bias is None else torch.nn.Parameter(bias))
+    fused = kernels.silu_and_mul_of(projection, x)
+    assert fused.shape == (rows, intermediate)
+    assert torch.equal(fused, kernels.silu_and_mul(plain))  # the product, rounded as stored, then silu_and_mul
+    torch.testing.assert_close(fused, TORCH_KERNELS.silu_and_mul(plain), rtol=2 ** -7, atol=1e-3)
+
+
+def test_the_mlps_gate_up_weights_go_paired_and_the_rest_plain():
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 64,
+        "tie_word_embeddings": True})
+    model = LlamaForCausalLM(config, max_positions=64, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator).to(torch.bfloat16))
+    dense = {name: m.weight.data.clone() for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert prepack_linears(model, tiles=True) == len(dense)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert is_paired(module.weight) == name.endswith("gate_up_proj") and is_tiled(module.weight), name
+            assert torch.equal(untile_weight(module.weight), dense[name])
+    assert sum(isinstance(m, LlamaMLP) for m in model.modules()) == 2
 
 
 @needs_amx

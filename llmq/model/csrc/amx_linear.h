@@ -55,24 +55,6 @@ inline bool permitted() {
   return granted;
 }
 
-// Result tiles (float32, 16 x 16) of rows [row0, row0 + 16 * row_tiles) and columns [col0, col0 + 16 *
-// col_tiles) rounded to bfloat16 into out [m, n], bias added; rows past m are padding and dropped.
-inline void store_rows(const float (*c)[2][kTileRows][16], int row_tiles, int col_tiles, int64_t row0,
-                       int64_t col0, int64_t m, int64_t n, const float* bias, uint16_t* out) {
-  for (int rt = 0; rt < row_tiles; ++rt) {
-    for (int r = 0; r < kTileRows; ++r) {
-      const int64_t row = row0 + rt * kTileRows + r;
-      if (row >= m) return;
-      for (int ct = 0; ct < col_tiles; ++ct) {
-        const int64_t col = col0 + ct * 16;
-        __m512 v = _mm512_load_ps(c[rt][ct][r]);
-        if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * n + col), (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
-  }
-}
-
 // Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
 // last is in the pairs after it) into L2: the tiles of both its column blocks, as a pass reads them.
 inline void prefetch_weight_step(const uint16_t* tiles, int64_t pair, int64_t step, int64_t pairs, int64_t k_tiles,
@@ -99,41 +81,46 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// x [M, K] bfloat16 @ tiles [N/16, K/32, 16, 32] (+ bias [N]) -> [M, N] bfloat16, summed in float32.
-inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(permitted(), "amx_linear: the kernel refused this process the CPU's matrix units");
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16,
-              "amx_linear: bfloat16 input and tiles");
-  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kTileRows && tiles.size(3) == kTileInputs && tiles.is_contiguous(),
-              "amx_linear: tiles must be [N/16, K/32, 16, 32], contiguous");
-  const int64_t k = tiles.size(1) * kTileInputs, col_blocks = tiles.size(0), n = col_blocks * 16;
-  TORCH_CHECK(input.size(-1) == k, "amx_linear: input has ", input.size(-1), " features, the weight ", k);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = n;
+// A pass's results: float32 tiles of 16 x 16, [row tile][column tile][row][column].
+using ResultTiles = float[2][2][kTileRows][16];
+
+// The weight as the kernel reads it: k_tiles of 32 inputs, col_blocks of 16 output columns taken two
+// at a time (a column pair: blocks 2p and 2p + 1).
+struct TiledWeight {
+  const uint16_t* tiles;
+  int64_t k_tiles, col_blocks;
+};
+
+// Checks a tiled weight for `input` and returns its [M, K] rows, padded with zeros to a multiple of 16
+// in a copy where needed (every tile then has one shape, configured once; laying the input out in tiles
+// as well, for contiguous tile loads, measured slower: the copy costs more than it saves).
+inline at::Tensor padded_rows(const at::Tensor& input, const at::Tensor& tiles, const char* op) {
+  TORCH_CHECK(permitted(), op, ": the kernel refused this process the CPU's matrix units");
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16, op,
+              ": bfloat16 input and tiles");
+  const bool plain = tiles.dim() == 4, paired = tiles.dim() == 5 && tiles.size(1) == 2;
+  TORCH_CHECK((plain || paired) && tiles.size(-2) == kTileRows && tiles.size(-1) == kTileInputs &&
+                  tiles.is_contiguous(),
+              op, ": tiles must be [N/16, K/32, 16, 32] or paired [N/32, 2, K/32, 16, 32], contiguous");
+  const int64_t k = tiles.size(-3) * kTileInputs;
+  TORCH_CHECK(input.size(-1) == k, op, ": input has ", input.size(-1), " features, the weight ", k);
   const at::Tensor x = input.reshape({-1, k});
   const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, n}, input.options());
-  if (m == 0) return out.view(out_shape);
-  // Rows padded to a multiple of 16 in a copy where needed: every tile then has one shape, configured
-  // once. (Laying the input out in tiles as well, for contiguous tile loads, measured slower: the copy
-  // costs more than it saves.)
-  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
-  at::Tensor a = x;
-  if (m % kTileRows != 0 || !x.is_contiguous()) {
-    a = at::zeros({row_tiles * kTileRows, k}, x.options());
-    a.narrow(0, 0, m).copy_(x);
-  }
-  at::Tensor bias_f;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "amx_linear: bias has ", bias->numel(), " elements, the weight ", n, " columns");
-    bias_f = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_f.data_ptr<float>();
-  }
+  if (m % kTileRows == 0 && x.is_contiguous()) return x;
+  at::Tensor a = at::zeros({(m + kTileRows - 1) / kTileRows * kTileRows, k}, x.options());
+  a.narrow(0, 0, m).copy_(x);
+  return a;
+}
+
+// a [row_tiles * 16, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32
+// rows handed to emit(c, row tiles, column tiles, first row, pair) as they are done; emit drops padding.
+template <typename Emit>
+void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
+  const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
+  const int64_t row_tiles = a.size(0) / kTileRows;
   const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const auto* B = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t k_tiles = tiles.size(1), a_stride = k * 2;
+  const uint16_t* B = w.tiles;
+  const int64_t a_stride = k * 2;
   // Each weight tile is read once, in memory order: a thread takes runs of column pairs, and every
   // group of 32 rows passes over a run while its tiles are in the thread's L2.
   const int64_t pairs = (col_blocks + 1) / 2;
@@ -147,7 +134,7 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
 
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float c[2][2][kTileRows][16];
+    alignas(64) ResultTiles c;
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t last_pair = std::min(pairs, (chunk + 1) * per_chunk);
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
@@ -184,11 +171,88 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
             _tile_stored(2, c[1][0], 64);
             if (two_cols) _tile_stored(3, c[1][1], 64);
           }
-          store_rows(c, two_rows ? 2 : 1, two_cols ? 2 : 1, rt * kTileRows, block * 16, m, n, bias_ptr, O);
+          emit(c, two_rows ? 2 : 1, two_cols ? 2 : 1, rt * kTileRows, pair);
         }
       }
     }
     _tile_release();
+  });
+}
+
+inline TiledWeight tiled_weight(const at::Tensor& tiles) {
+  const int64_t k_tiles = tiles.size(-3);
+  return {reinterpret_cast<const uint16_t*>(tiles.data_ptr()), k_tiles, tiles.numel() / (k_tiles * kTileElements)};
+}
+
+inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, the weight ", n, " columns");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// x [..., K] bfloat16 @ W.T (+ bias [N]) -> [..., N] bfloat16, summed in float32, for W laid out in tiles:
+// [N/16, K/32, 16, 32] (cpu_prepack.tile_weight), or paired [N/32, 2, K/32, 16, 32]
+// (cpu_prepack.tile_gate_up), whose column pair p holds columns 16p .. 16p + 15 and N/2 + 16p .. N/2 + 16p + 15.
+inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor a = padded_rows(input, tiles, "amx_linear");
+  const TiledWeight w = tiled_weight(tiles);
+  const int64_t m = input.numel() / input.size(-1), n = w.col_blocks * 16;
+  const bool paired = tiles.dim() == 5;
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor out = at::empty({m, n}, input.options());
+  if (m == 0) return out.view(out_shape);
+  const at::Tensor bias_f = float_bias(bias, n, "amx_linear");
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
+  multiply(a, w, [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
+    for (int rt = 0; rt < row_tiles; ++rt) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t row = row0 + rt * kTileRows + r;
+        if (row >= m) return;
+        for (int ct = 0; ct < col_tiles; ++ct) {
+          const int64_t col = paired ? ct * (n / 2) + pair * 16 : (pair * 2 + ct) * 16;
+          __m512 v = _mm512_load_ps(c[rt][ct][r]);
+          if (bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_ptr + col));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(O + row * n + col), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  });
+  return out.view(out_shape);
+}
+
+// x [..., K] bfloat16 against a paired gate/up weight [I/16, 2, K/32, 16, 32] (+ bias [2 I]) -> [..., I]:
+// combine(gate, up, out) gets each row's 16 gate and 16 up columns of a pair, rounded to bfloat16 as
+// `linear` would store them, and writes that row's 16 outputs. The [M, 2 I] product is never stored.
+template <typename Combine>
+at::Tensor gated(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias,
+                 const Combine& combine) {
+  TORCH_CHECK(tiles.dim() == 5, "amx_gated: tiles must be paired, [I/16, 2, K/32, 16, 32]");
+  const at::Tensor a = padded_rows(input, tiles, "amx_gated");
+  const TiledWeight w = tiled_weight(tiles);
+  const int64_t m = input.numel() / input.size(-1), width = w.col_blocks * 8;
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = width;
+  at::Tensor out = at::empty({m, width}, input.options());
+  if (m == 0) return out.view(out_shape);
+  const at::Tensor bias_f = float_bias(bias, 2 * width, "amx_gated");
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
+  multiply(a, w, [&](const ResultTiles& c, int row_tiles, int, int64_t row0, int64_t pair) {
+    alignas(64) uint16_t halves[2][16];
+    for (int rt = 0; rt < row_tiles; ++rt) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t row = row0 + rt * kTileRows + r;
+        if (row >= m) return;
+        for (int ct = 0; ct < 2; ++ct) {
+          __m512 v = _mm512_load_ps(c[rt][ct][r]);
+          if (bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_ptr + ct * width + pair * 16));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(halves[ct]), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        combine(halves[0], halves[1], O + row * width + pair * 16);
+      }
+    }
   });
   return out.view(out_shape);
 }

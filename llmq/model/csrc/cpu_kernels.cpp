@@ -252,7 +252,22 @@ inline fVec exp_for(const fVec& x) {
   }
 }
 
-// gate_up [T, 2 I] (gate, then up) -> [T, I]; silu's output rounded to the dtype before the product.
+// dst[i] = silu(gate[i]) * up[i] over `width` elements; silu's output rounded to the dtype before the product.
+template <typename scalar_t>
+inline void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t width) {
+  const fVec one(1.f);
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    const fVec g = load_f(gate + i);
+    store_f(dst + i, rounded<scalar_t>(g / (one + exp_for<scalar_t>(g.neg()))) * load_f(up + i));
+  }
+  for (; i < width; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    dst[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+}
+
+// gate_up [T, 2 I] (gate, then up) -> [T, I].
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   check_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -263,20 +278,9 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      const fVec one(1.f);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = in + r * 2 * width;
-        const scalar_t* up = gate + width;
-        scalar_t* dst = op + r * width;
-        int64_t i = 0;
-        for (; i + kLanes <= width; i += kLanes) {
-          const fVec g = load_f(gate + i);
-          store_f(dst + i, rounded<scalar_t>(g / (one + exp_for<scalar_t>(g.neg()))) * load_f(up + i));
-        }
-        for (; i < width; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          dst[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-        }
+        silu_mul_row(gate, gate + width, op + r * width, width);
       }
     });
   });
@@ -624,6 +628,22 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& tiles, con
 #endif
 }
 
+// silu(x @ gate.T) * (x @ up.T) in bfloat16 on the matrix units, for a gate/up weight laid out paired
+// (cpu_prepack.tile_gate_up): equal to silu_and_mul(amx_linear(x, tiles)) without storing the product.
+torch::Tensor amx_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tiles,
+                               const c10::optional<torch::Tensor>& bias) {
+#ifdef LLMQ_HAS_AMX
+  check_cpu(x, "x");
+  return llmq_amx::gated(x, tiles, bias, [](const uint16_t* gate, const uint16_t* up, uint16_t* dst) {
+    silu_mul_row(reinterpret_cast<const c10::BFloat16*>(gate), reinterpret_cast<const c10::BFloat16*>(up),
+                 reinterpret_cast<c10::BFloat16*>(dst), 16);
+  });
+#else
+  TORCH_CHECK(false,
+              "amx_silu_and_mul: this build has no AMX (the CPU lacks AMX-BF16, or the compiler does not target it)");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -642,5 +662,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("amx_available", &amx_available, "whether amx_linear runs on this CPU");
   m.def("amx_linear", &amx_linear, "x @ W.T (+ bias) in bfloat16 on the matrix units, W laid out in tiles",
+        py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
+  m.def("amx_silu_and_mul", &amx_silu_and_mul,
+        "silu(x @ gate.T) * (x @ up.T) in bfloat16 on the matrix units, gate and up laid out paired in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
 }
