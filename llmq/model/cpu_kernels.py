@@ -68,6 +68,10 @@ class TorchKernels:
         """silu_and_mul(gate_up_proj(x)): the MLP's gate and up projections and their product."""
         return self.silu_and_mul(gate_up_proj(x))
 
+    def decoder_layer(self, layer, hidden, residual, cos, sin, kv_cache, meta):
+        """A whole LlamaDecoderLayer.forward in one call, where a path has it; None: run the layer's own."""
+        return None
+
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -116,6 +120,41 @@ class NativeKernels(TorchKernels):
         if weight is not None and is_paired(weight):
             return self._ops.amx_silu_and_mul(x, weight, gate_up_proj.bias)
         return TorchKernels.silu_and_mul_of(self, gate_up_proj, x)
+
+    def decoder_layer(self, layer, hidden, residual, cos, sin, kv_cache, meta):
+        """The layer in one C++ call (cpu_kernels.cpp's decoder_layer: the same kernels, without the Python
+        between them) where every weight is in tiles for the matrix units and every row is the paged
+        attention kernel's (no SDPA span, no padding row); else None."""
+        decodes = meta.paged_decodes
+        if (decodes is None or decodes.kernel != "cpu" or meta.decodes or meta.prefills
+                or decodes.num_tokens != hidden.shape[0] or meta.slot_mapping.shape[0] != hidden.shape[0]):
+            return None
+        weights = self._layer_weights(layer)
+        if weights is None:
+            return None
+        k_cache, v_cache = kv_cache
+        return tuple(self._ops.decoder_layer(weights, hidden, residual, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                             decodes.block_tables, decodes.context_lens, decodes.query_tables,
+                                             meta.block_size))
+
+    def _layer_weights(self, layer):
+        """The layer's weights gathered for decoder_layer, kept on the layer while its weights stay the
+        same tensors; None where they are not all in tiles (oneDNN's, quantized, tensor-parallel)."""
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        matrices = tuple(getattr(p, "weight", None) for p in projections)
+        cached = layer.__dict__.get("_fused_weights")
+        if cached is not None and all(a is b for a, b in zip(cached[0], matrices)):
+            return cached[1]
+        weights = None
+        if (all(m is not None and is_tiled(m) for m in matrices) and is_paired(matrices[2])
+                and not any(is_paired(m) for m in matrices[:2] + matrices[3:])):
+            weights = self._ops.LayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *matrices,
+                *(p.bias for p in projections), layer.input_layernorm.eps, attention.num_heads,
+                attention.num_kv_heads, attention.head_dim, attention.scale)
+        layer.__dict__["_fused_weights"] = (matrices, weights)
+        return weights
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         if k_cache.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1 and slot_mapping.dtype == torch.long:

@@ -103,6 +103,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    kernels: TorchKernels = TORCH_KERNELS
+
     def __init__(self, config: ModelConfig, device, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
@@ -114,6 +116,9 @@ class LlamaDecoderLayer(nn.Module):
         """hidden: the previous layer's output; residual: the stream it adds to (None at a stage's first
         layer, where hidden is the whole stream). Returns this layer's (output, residual), which sum to
         the stream after it: each residual add is done in one pass with the norm that follows it."""
+        fused = self.kernels.decoder_layer(self, hidden, residual, cos, sin, kv_cache, meta)
+        if fused is not None:  # the same operations in one call (cpu_kernels.NativeKernels.decoder_layer)
+            return fused
         if residual is None:
             residual, x = hidden, self.input_layernorm(hidden)
         else:
@@ -171,9 +176,10 @@ class LlamaForCausalLM(nn.Module):
         return (h if residual is None else residual + h)[:rows]
 
     def use_kernels(self, kernels: TorchKernels) -> None:
-        """Run the norms, rotary, SiLU and the KV cache's writes through `kernels` from now on."""
+        """Run the norms, rotary, SiLU and the KV cache's writes (and, where they have it, whole layers)
+        through `kernels` from now on."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer)):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -644,6 +644,59 @@ torch::Tensor amx_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tile
 #endif
 }
 
+// ---- a whole decoder layer, for a step whose attention is all the paged kernel's ----------------------
+
+// One Llama decoder layer's weights, its products' laid out in tiles (qkv, o, down: cpu_prepack.tile_weight;
+// gate/up paired: tile_gate_up), gathered once so that a step's call passes one object, not a dozen tensors.
+struct LayerWeights {
+  torch::Tensor input_norm, post_norm;
+  torch::Tensor qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double scale;
+};
+
+// llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
+// from Python: the Python between them (a module call, a wrapper and views per operation) costs more
+// than several of the operations at decode sizes. Every query row is a decode or a short prompt chunk's
+// token (the paged kernel's: no SDPA span, no padding row). Returns (output, residual), as the layer does.
+std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Tensor& hidden,
+                                         const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                         const torch::Tensor& context_lens,
+                                         const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
+#ifdef LLMQ_HAS_AMX
+  torch::Tensor x, stream;
+  if (residual.has_value() && residual->defined()) {
+    auto normed = add_rms_norm(hidden, *residual, w.input_norm, w.eps);
+    x = normed[0];
+    stream = normed[1];
+  } else {
+    x = rms_norm(hidden, w.input_norm, w.eps);
+    stream = hidden;
+  }
+  const int64_t tokens = x.size(0), q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
+  TORCH_CHECK(slot_mapping.size(0) == tokens && context_lens.size(0) == tokens,
+              "decoder_layer: every row must be a new token the paged kernel attends for");
+  torch::Tensor qkv = llmq_amx::linear(x, w.qkv, w.qkv_bias);
+  torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, w.num_heads + w.num_kv_heads, w.head_dim});
+  rotary_(qk, cos, sin);
+  const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, w.num_kv_heads, w.head_dim});
+  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, w.num_kv_heads, w.head_dim});
+  write_kv(k_cache, v_cache, k, v, slot_mapping);
+  torch::Tensor attended = torch::empty({tokens, q_size}, x.options());
+  paged_decode_attention(qk.narrow(1, 0, w.num_heads), k_cache, v_cache, block_tables, context_lens, block_size,
+                         w.scale, attended, query_tables);
+  auto normed = add_rms_norm(llmq_amx::linear(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
+  torch::Tensor gated = amx_silu_and_mul(normed[0], w.gate_up, w.gate_up_bias);
+  return {llmq_amx::linear(gated, w.down, w.down_bias), normed[1]};
+#else
+  TORCH_CHECK(false, "decoder_layer: this build has no AMX");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -663,6 +716,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether amx_linear runs on this CPU");
   m.def("amx_linear", &amx_linear, "x @ W.T (+ bias) in bfloat16 on the matrix units, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, double, int64_t, int64_t, int64_t, double>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
+           py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"));
+  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer whose attention is all the paged kernel's",
+        py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("query_tables"), py::arg("block_size"));
   m.def("amx_silu_and_mul", &amx_silu_and_mul,
         "silu(x @ gate.T) * (x @ up.T) in bfloat16 on the matrix units, gate and up laid out paired in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());

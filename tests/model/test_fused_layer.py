@@ -1,0 +1,82 @@
+"""A whole decoder layer in one C++ call (cpu_kernels.NativeKernels.decoder_layer): it runs the same
+kernels as the layer's own Python, so an engine generates the same tokens and logprobs either way, and it
+steps aside wherever a step holds something it does not take (an SDPA prompt span, weights not in tiles)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmq.model.cpu_kernels as cpu_kernels
+from llmq.engine.llm import LLM
+from llmq.model.attention import longest_kernel_prompt
+from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
+from llmq.sampling_params import SamplingParams
+
+# Every product's sides are whole tiles of the matrix units (16 columns, 32 inputs).
+CONFIG = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def _amx():
+    kernels = cpu_kernels.native_kernels()
+    return kernels is not None and kernels.amx
+
+
+pytestmark = pytest.mark.skipif(not _amx(), reason="no AMX here (or the CPU kernels did not build)")
+
+
+@pytest.fixture(scope="module")
+def tiled_model(tmp_path_factory):
+    return write_llama_checkpoint(tmp_path_factory.mktemp("tiled-llama"), CONFIG, seed=7,
+                                  tokenizer_json=byte_level_tokenizer_json(),
+                                  tokenizer_config={"add_bos_token": False})
+
+
+def _generate(llm, prompts, monkeypatch, fused: bool):
+    """Token ids and logprobs of greedy generation, and how many layer calls took the fused path."""
+    taken = {"fused": 0, "declined": 0}
+    own = cpu_kernels.NativeKernels.decoder_layer
+
+    def counted(self, *args):
+        result = own(self, *args) if fused else None
+        taken["fused" if result is not None else "declined"] += 1
+        return result
+
+    monkeypatch.setattr(cpu_kernels.NativeKernels, "decoder_layer", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], taken
+
+
+def _prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_model, monkeypatch):
+    llm = LLM(str(tiled_model), dtype="bfloat16", enable_prefix_caching=False)
+    prompts = _prompts([5, 17, 40, 64, 9])
+    fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["fused"] > 0 and taken["declined"] == 0  # short prompts and decodes: every step fused
+    plain, taken = _generate(llm, prompts, monkeypatch, fused=False)
+    assert taken["fused"] == 0
+    assert fused == plain
+
+
+def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, monkeypatch):
+    llm = LLM(str(tiled_model), dtype="bfloat16", enable_prefix_caching=False)
+    longest = longest_kernel_prompt(CONFIG["num_attention_heads"])
+    prompts = _prompts([8, longest + 20])  # the long one's chunk goes to SDPA
+    fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["declined"] >= CONFIG["num_hidden_layers"] and taken["fused"] > 0
+    plain, _ = _generate(llm, prompts, monkeypatch, fused=False)
+    assert fused == plain
+
+
+def test_weights_not_in_tiles_run_the_layers_python(stories_dir, monkeypatch):
+    llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20)  # stories260k's MLP is oneDNN's
+    _, taken = _generate(llm, [[1, 400, 300], [1, 50]], monkeypatch, fused=True)
+    assert taken["fused"] == 0 and taken["declined"] > 0
