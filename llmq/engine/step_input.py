@@ -30,6 +30,11 @@ class PrefillSpanInput:
     num_cached: int
     context_blocks: list[int]  # the blocks of cached + new tokens
 
+    @property
+    def context(self) -> int:
+        """The chunk's context: its cached and new tokens."""
+        return self.num_cached + self.num_tokens
+
 
 @dataclass(frozen=True)
 class StepInput:
@@ -102,13 +107,13 @@ class StepInput:
         groups, kernel_decodes, prefills = [], None, self.prefills
         if paged_kernel == "cpu" and (self.decodes or self.prefills):
             limit = longest_kernel_prompt if longest_kernel_prompt is not None else max(
-                (s.num_cached + s.num_tokens for s in self.prefills), default=0)
+                (s.context for s in self.prefills), default=0)
             tables, lengths, query_tables = self.query_block_tables(limit)
             if tables:
                 kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
                                               paged_kernel,
                                               None if query_tables is None else tensor(query_tables, torch.int32))
-            prefills = [s for s in self.prefills if s.num_cached + s.num_tokens > limit]
+            prefills = [s for s in self.prefills if s.context > limit]
         elif paged_kernel and self.decodes:
             tables, lengths = self.decode_block_tables()
             kernel_decodes = PagedDecodes(len(lengths), tensor(tables, torch.int32), tensor(lengths, torch.int32),
@@ -146,9 +151,9 @@ class StepInput:
             return tables, lengths, None
         query_tables = list(range(len(lengths)))
         for span in self.prefills:
-            if span.num_cached + span.num_tokens <= longest_prompt:
+            if span.context <= longest_prompt:
                 query_tables.extend([len(tables)] * span.num_tokens)
-                lengths.extend(range(span.num_cached + 1, span.num_cached + span.num_tokens + 1))
+                lengths.extend(range(span.num_cached + 1, span.context + 1))
                 tables.append(span.context_blocks)
             else:
                 query_tables.extend([0] * span.num_tokens)
