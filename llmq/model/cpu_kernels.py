@@ -123,11 +123,12 @@ class NativeKernels(TorchKernels):
 
     def decoder_layer(self, layer, hidden, residual, cos, sin, kv_cache, meta):
         """The layer in one C++ call (cpu_kernels.cpp's decoder_layer: the same kernels, without the Python
-        between them) where every weight is in tiles for the matrix units and every row is the paged
-        attention kernel's (no SDPA span, no padding row); else None."""
+        between them) where every weight is prepacked (in tiles for the matrix units, or oneDNN's) and
+        every token is the paged attention kernel's (no SDPA span; padding rows past them may follow);
+        else None."""
         decodes = meta.paged_decodes
         if (decodes is None or decodes.kernel != "cpu" or meta.decodes or meta.prefills
-                or decodes.num_tokens != hidden.shape[0] or meta.slot_mapping.shape[0] != hidden.shape[0]):
+                or decodes.num_tokens != meta.slot_mapping.shape[0] or hidden.shape[0] < decodes.num_tokens):
             return None
         weights = self._layer_weights(layer)
         if weights is None:
@@ -139,7 +140,7 @@ class NativeKernels(TorchKernels):
 
     def _layer_weights(self, layer):
         """The layer's weights gathered for decoder_layer, kept on the layer while its weights stay the
-        same tensors; None where they are not all in tiles (oneDNN's, quantized, tensor-parallel)."""
+        same tensors; None where they are not all prepacked one way (quantized, tensor-parallel, dense)."""
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         matrices = tuple(getattr(p, "weight", None) for p in projections)
@@ -147,8 +148,9 @@ class NativeKernels(TorchKernels):
         if cached is not None and all(a is b for a, b in zip(cached[0], matrices)):
             return cached[1]
         weights = None
-        if (all(m is not None and is_tiled(m) for m in matrices) and is_paired(matrices[2])
-                and not any(is_paired(m) for m in matrices[:2] + matrices[3:])):
+        tiled = (all(m is not None and is_tiled(m) for m in matrices) and is_paired(matrices[2])
+                 and not any(is_paired(m) for m in matrices[:2] + matrices[3:]))
+        if tiled or all(m is not None and m.is_mkldnn for m in matrices):
             weights = self._ops.LayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *matrices,
                 *(p.bias for p in projections), layer.input_layernorm.eps, attention.num_heads,

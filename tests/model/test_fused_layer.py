@@ -1,6 +1,7 @@
 """A whole decoder layer in one C++ call (cpu_kernels.NativeKernels.decoder_layer): it runs the same
 kernels as the layer's own Python, so an engine generates the same tokens and logprobs either way, and it
-steps aside wherever a step holds something it does not take (an SDPA prompt span, weights not in tiles)."""
+steps aside wherever a step holds something it does not take (an SDPA prompt span, weights that are not
+prepacked for it)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import llmq.model.cpu_kernels as cpu_kernels
 from llmq.engine.llm import LLM
 from llmq.model.attention import longest_kernel_prompt
 from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
+from llmq.model.cpu_prepack import prepack_supported
 from llmq.sampling_params import SamplingParams
 
 # Every product's sides are whole tiles of the matrix units (16 columns, 32 inputs).
@@ -19,13 +21,18 @@ CONFIG = {
     "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
 }
 
-
-def _amx():
-    kernels = cpu_kernels.native_kernels()
-    return kernels is not None and kernels.amx
+pytestmark = pytest.mark.skipif(cpu_kernels.native_kernels() is None, reason="the CPU kernels did not build here")
 
 
-pytestmark = pytest.mark.skipif(not _amx(), reason="no AMX here (or the CPU kernels did not build)")
+def _prepacked(dtype: str) -> bool:
+    """Whether this CPU prepacks weights of `dtype` for the fused layer: in tiles for the matrix units
+    (bfloat16 where AMX is), else in oneDNN's layout."""
+    return (dtype == "bfloat16" and cpu_kernels.native_kernels().amx) or prepack_supported(getattr(torch, dtype))
+
+
+# float32 is always oneDNN's; bfloat16 is in tiles on a CPU with AMX, oneDNN's elsewhere.
+DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not _prepacked(d), reason=f"no prepacked {d} products here"))
+          for d in ("float32", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +63,10 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
 
 
-def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_model, monkeypatch):
-    llm = LLM(str(tiled_model), dtype="bfloat16", enable_prefix_caching=False)
-    prompts = _prompts([5, 17, 40, 64, 9])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_model, monkeypatch, dtype):
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
+    prompts = _prompts([5, 17, 40, 64, 9])  # odd row counts: oneDNN's products take padding rows too
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
     assert taken["fused"] > 0 and taken["declined"] == 0  # short prompts and decodes: every step fused
     plain, taken = _generate(llm, prompts, monkeypatch, fused=False)
@@ -66,8 +74,9 @@ def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_mod
     assert fused == plain
 
 
-def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, monkeypatch):
-    llm = LLM(str(tiled_model), dtype="bfloat16", enable_prefix_caching=False)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, monkeypatch, dtype):
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
     longest = longest_kernel_prompt(CONFIG["num_attention_heads"])
     prompts = _prompts([8, longest + 20])  # the long one's chunk goes to SDPA
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
@@ -76,7 +85,16 @@ def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, mon
     assert fused == plain
 
 
-def test_weights_not_in_tiles_run_the_layers_python(stories_dir, monkeypatch):
+@pytest.mark.parametrize("engine_args", [{"prepack_weights": False}, {"quantization": "int8"}],
+                         ids=["dense", "int8"])
+def test_weights_not_prepacked_run_the_layers_python(tiled_model, monkeypatch, engine_args):
+    llm = LLM(str(tiled_model), dtype="float32", enable_prefix_caching=False, **engine_args)
+    _, taken = _generate(llm, _prompts([6, 11]), monkeypatch, fused=True)
+    assert taken["fused"] == 0 and taken["declined"] > 0
+
+
+@pytest.mark.skipif(not cpu_kernels.native_kernels().amx, reason="no AMX here: bfloat16 is all oneDNN's")
+def test_weights_partly_in_tiles_run_the_layers_python(stories_dir, monkeypatch):
     llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20)  # stories260k's MLP is oneDNN's
     _, taken = _generate(llm, [[1, 400, 300], [1, 50]], monkeypatch, fused=True)
     assert taken["fused"] == 0 and taken["declined"] > 0

@@ -646,8 +646,10 @@ torch::Tensor amx_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tile
 
 // ---- a whole decoder layer, for a step whose attention is all the paged kernel's ----------------------
 
-// One Llama decoder layer's weights, its products' laid out in tiles (qkv, o, down: cpu_prepack.tile_weight;
-// gate/up paired: tile_gate_up), gathered once so that a step's call passes one object, not a dozen tensors.
+// One Llama decoder layer's weights, gathered once so that a step's call passes one object, not a dozen
+// tensors. Each product's weight is laid out for the product llama.py's `linear` would run: in tiles for
+// the matrix units (qkv, o, down: cpu_prepack.tile_weight; gate/up paired: tile_gate_up), or oneDNN's
+// packed layout (every one of them).
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   torch::Tensor qkv, o, gate_up, down;
@@ -657,17 +659,44 @@ struct LayerWeights {
   double scale;
 };
 
+// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, else the matrix
+// units' for tiles.
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  if (weight.is_mkldnn()) {
+    static auto onednn = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                               std::optional<c10::string_view>)>();
+    return onednn.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>(""));
+  }
+#ifdef LLMQ_HAS_AMX
+  return llmq_amx::linear(x, weight, bias);
+#else
+  TORCH_CHECK(false, "decoder_layer: a weight in tiles, and this build has no AMX");
+#endif
+}
+
+// silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass of the
+// matrix units for a paired weight, else the product and then silu_and_mul.
+torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up,
+                            const c10::optional<torch::Tensor>& bias) {
+  if (gate_up.is_mkldnn()) return silu_and_mul(product(x, gate_up, bias));
+  return amx_silu_and_mul(x, gate_up, bias);
+}
+
 // llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
 // from Python: the Python between them (a module call, a wrapper and views per operation) costs more
 // than several of the operations at decode sizes. Every query row is a decode or a short prompt chunk's
-// token (the paged kernel's: no SDPA span, no padding row). Returns (output, residual), as the layer does.
+// token (the paged kernel's: no SDPA span); rows past the slot mapping's are the model's padding (its
+// products' row counts are oneDNN's buckets), which attention leaves zero as paged_attention does.
+// Returns (output, residual), as the layer does.
 std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Tensor& hidden,
                                          const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
                                          const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                          const torch::Tensor& context_lens,
                                          const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
-#ifdef LLMQ_HAS_AMX
   torch::Tensor x, stream;
   if (residual.has_value() && residual->defined()) {
     auto normed = add_rms_norm(hidden, *residual, w.input_norm, w.eps);
@@ -677,24 +706,25 @@ std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Ten
     x = rms_norm(hidden, w.input_norm, w.eps);
     stream = hidden;
   }
-  const int64_t tokens = x.size(0), q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
-  TORCH_CHECK(slot_mapping.size(0) == tokens && context_lens.size(0) == tokens,
-              "decoder_layer: every row must be a new token the paged kernel attends for");
-  torch::Tensor qkv = llmq_amx::linear(x, w.qkv, w.qkv_bias);
-  torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, w.num_heads + w.num_kv_heads, w.head_dim});
+  const int64_t rows = x.size(0), tokens = slot_mapping.size(0);
+  const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
+  TORCH_CHECK(context_lens.size(0) == tokens && tokens <= rows,
+              "decoder_layer: every token row must be one the paged kernel attends for");
+  torch::Tensor qkv = product(x, w.qkv, w.qkv_bias);
+  torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({rows, w.num_heads + w.num_kv_heads, w.head_dim});
   rotary_(qk, cos, sin);
-  const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, w.num_kv_heads, w.head_dim});
-  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, w.num_kv_heads, w.head_dim});
+  const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, w.num_kv_heads, w.head_dim}).narrow(0, 0, tokens);
+  const torch::Tensor v =
+      qkv.narrow(1, q_size + kv_size, kv_size).view({rows, w.num_kv_heads, w.head_dim}).narrow(0, 0, tokens);
   write_kv(k_cache, v_cache, k, v, slot_mapping);
-  torch::Tensor attended = torch::empty({tokens, q_size}, x.options());
-  paged_decode_attention(qk.narrow(1, 0, w.num_heads), k_cache, v_cache, block_tables, context_lens, block_size,
-                         w.scale, attended, query_tables);
-  auto normed = add_rms_norm(llmq_amx::linear(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
-  torch::Tensor gated = amx_silu_and_mul(normed[0], w.gate_up, w.gate_up_bias);
-  return {llmq_amx::linear(gated, w.down, w.down_bias), normed[1]};
-#else
-  TORCH_CHECK(false, "decoder_layer: this build has no AMX");
-#endif
+  torch::Tensor attended = torch::empty({rows, q_size}, x.options());
+  if (rows > tokens) attended.narrow(0, tokens, rows - tokens).zero_();
+  torch::Tensor token_rows = attended.narrow(0, 0, tokens);
+  paged_decode_attention(qk.narrow(1, 0, w.num_heads).narrow(0, 0, tokens), k_cache, v_cache, block_tables,
+                         context_lens, block_size, w.scale, token_rows, query_tables);
+  auto normed = add_rms_norm(product(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
+  torch::Tensor gated = gated_product(normed[0], w.gate_up, w.gate_up_bias);
+  return {product(gated, w.down, w.down_bias), normed[1]};
 }
 
 }  // namespace
