@@ -114,7 +114,7 @@ class ModelRunner:
                                 self.group.comm if self.group else None, quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         self.kernels = self._choose_kernels(config)
-        self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.amx)
+        self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.tiled_products is not None)
                               if self.device.type == "cpu" and config.prepack_weights else 0)
         self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
         self.model.pad_rows = packed_for_onednn(self.model) > 0
@@ -143,8 +143,9 @@ class ModelRunner:
         self.timing = StepTiming()
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
-        packed = (f"; {self.num_prepacked} weight matrices prepacked ({self.num_tiled} in tiles for the matrix "
-                  f"units, {self.num_prepacked - self.num_tiled} for oneDNN)" if self.num_prepacked else "")
+        packed = (f"; {self.num_prepacked} weight matrices prepacked ({self.num_tiled} in tiles for "
+                  f"{self.kernels.tiled_products}, {self.num_prepacked - self.num_tiled} for oneDNN)"
+                  if self.num_prepacked else "")
         log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
                  self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
                  self.attention_backend, torch.get_num_threads())

@@ -38,7 +38,7 @@ class TorchKernels:
     """The plain-PyTorch operators, on any device."""
 
     name = "torch"
-    amx = False  # products on the CPU's matrix units: the fused kernels' (NativeKernels.amx)
+    tiled_products: str | None = None  # bfloat16 products over weights in tiles: the fused kernels' (NativeKernels)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,9 +87,10 @@ class NativeKernels(TorchKernels):
 
     def __init__(self, module):
         self._ops = module
-        # Whether this CPU's matrix units multiply bfloat16 here (csrc/amx_linear.h): cpu_prepack.py then
-        # lays bfloat16 weights out in tiles for amx_linear.
-        self.amx = bool(module.amx_available())
+        # What multiplies bfloat16 weights laid out in tiles here (csrc/tiled_linear.h): "amx" (the CPU's
+        # matrix units) or "avx512-bf16" (its vector dot products); None where neither, and cpu_prepack.py
+        # then packs bfloat16 weights for oneDNN instead of in tiles for tiled_linear.
+        self.tiled_products = module.tiled_products() or None
 
     def rms_norm(self, x, weight, eps):
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
@@ -114,18 +115,17 @@ class NativeKernels(TorchKernels):
         return TorchKernels.silu_and_mul(gate_up)
 
     def silu_and_mul_of(self, gate_up_proj, x):
-        """In one pass on the matrix units where the projection's weight is laid out paired
-        (cpu_prepack.tile_gate_up): the [T, 2 I] product is never stored."""
+        """In one pass where the projection's weight is laid out paired in tiles (cpu_prepack.tile_gate_up):
+        the [T, 2 I] product is never stored."""
         weight = getattr(gate_up_proj, "weight", None)
         if weight is not None and is_paired(weight):
-            return self._ops.amx_silu_and_mul(x, weight, gate_up_proj.bias)
+            return self._ops.tiled_silu_and_mul(x, weight, gate_up_proj.bias)
         return TorchKernels.silu_and_mul_of(self, gate_up_proj, x)
 
     def decoder_layer(self, layer, hidden, residual, cos, sin, kv_cache, meta):
         """The layer in one C++ call (cpu_kernels.cpp's decoder_layer: the same kernels, without the Python
-        between them) where every weight is prepacked (in tiles for the matrix units, or oneDNN's) and
-        every token is the paged attention kernel's (no SDPA span; padding rows past them may follow);
-        else None."""
+        between them) where every weight is prepacked (in tiles, or all for oneDNN) and every token is
+        the paged attention kernel's (no SDPA span; padding rows past them may follow); else None."""
         decodes = meta.paged_decodes
         if (decodes is None or decodes.kernel != "cpu" or meta.decodes or meta.prefills
                 or decodes.num_tokens != meta.slot_mapping.shape[0] or hidden.shape[0] < decodes.num_tokens):
@@ -194,7 +194,7 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
 
 
 def is_tiled(weight: torch.Tensor) -> bool:
-    """Whether a weight was laid out in tiles for amx_linear: [N/16, K/32, 16, 32] by
+    """Whether a weight was laid out in tiles for tiled_linear: [N/16, K/32, 16, 32] by
     cpu_prepack.tile_weight, or paired [N/32, 2, K/32, 16, 32] by cpu_prepack.tile_gate_up (no dense
     weight of a Linear has four or five dimensions)."""
     return not weight.is_mkldnn and weight.dim() in (4, 5)
@@ -205,10 +205,10 @@ def is_paired(weight: torch.Tensor) -> bool:
     return not weight.is_mkldnn and weight.dim() == 5
 
 
-def amx_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) in bfloat16 on the CPU's matrix units, for W laid out in tiles by cpu_prepack,
-    which does so only where native_kernels().amx."""
-    return _loaded._ops.amx_linear(x, tiles, bias)
+def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) in bfloat16, for W laid out in tiles by cpu_prepack, which does so only where
+    native_kernels().tiled_products: on the CPU's matrix units (AMX), or its AVX512-BF16 dot products."""
+    return _loaded._ops.tiled_linear(x, tiles, bias)
 
 
 _lock = threading.Lock()

@@ -4,10 +4,11 @@ F.linear hands a CPU product to MKL, which repacks the weight operand into its b
 every call. For decode-shaped products (a few dozen rows against a wide matrix such as the LM head)
 that repacking costs more than the arithmetic. So each weight is laid out once, in one of two ways,
 and `linear` in llama.py runs the product its layout is for:
-- bfloat16 on a CPU with AMX (where the fused CPU kernels are in use and report it): tiles for the
-  matrix units (`tile_weight`), multiplied by csrc/amx_linear.h, which reads a decode step's weights
-  at close to the memory's speed where oneDNN's product does not. An MLP's gate/up weight is laid out
-  paired (`tile_gate_up`), so that its product and SiLU run in one pass;
+- bfloat16 on a CPU with AVX512-BF16 (where the fused CPU kernels are in use and report it): tiles
+  (`tile_weight`), multiplied by csrc/tiled_linear.h on the matrix units where the CPU has AMX, else
+  in its vector dot products. It reads a decode step's weights at close to the memory's speed where
+  oneDNN's product does not, and costs little per call. An MLP's gate/up weight is laid out paired
+  (`tile_gate_up`), so that its product and SiLU run in one pass;
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
@@ -42,7 +43,7 @@ def prepack_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-# A tile of the matrix units: 16 output columns over 32 inputs (csrc/amx_linear.h).
+# A tile: 16 output columns over 32 inputs, as the matrix units read it (csrc/tiled_linear.h).
 TILE_COLUMNS, TILE_INPUTS = 16, 32
 
 
@@ -64,7 +65,7 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
 def tile_gate_up(weight: torch.Tensor) -> torch.Tensor:
     """A fused gate/up weight [2 I, K] (gate's rows, then up's) -> [I/16, 2, K/32, 16, 32]: pair p holds
     gate's column tile p, then up's, so that one pass of the matrix units has both halves of the same 16
-    outputs of silu(gate) * up (cpu_kernels' amx_silu_and_mul)."""
+    outputs of silu(gate) * up (cpu_kernels' tiled_silu_and_mul)."""
     gate, up = weight.chunk(2)
     return torch.stack([tile_weight(gate), tile_weight(up)], dim=1)
 
@@ -80,7 +81,7 @@ def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
 
 def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
     """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place: in
-    tiles for the matrix units where `tiles` (the fused kernels report AMX) and the weight fits, else
+    tiles where `tiles` (the fused kernels report tiled products) and the weight fits, else
     for oneDNN. Returns how many were packed: none where neither can multiply the model's dtype here."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
                and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)]

@@ -83,14 +83,28 @@ def test_build_kernels_runs_each_distinct_product_at_each_decode_bucket(stories_
     assert build_kernels(model, 20) == len(shapes) * len(buckets_up_to(20)) == len(shapes) * 3  # 8, 16, 24
 
 
-# ---- bfloat16 weights in tiles for the matrix units (AMX) ----------------------------------------
+# ---- bfloat16 weights in tiles (AMX's matrix units, or AVX512-BF16's dot products) ---------------
 
-def _amx():
+def _tiled_products():
     kernels = native_kernels()
-    return kernels is not None and kernels.amx
+    return kernels.tiled_products if kernels is not None else None
 
 
-needs_amx = pytest.mark.skipif(not _amx(), reason="no AMX here (or the CPU kernels did not build)")
+needs_tiles = pytest.mark.skipif(_tiled_products() is None,
+                                 reason="no AVX512-BF16 here (or the CPU kernels did not build)")
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def tiled_path(request):
+    """Each path tiled_linear can take here: the matrix units (a CPU with AMX), and the dot products (any
+    CPU with AVX512-BF16; one with AMX too, with the matrix units turned off)."""
+    available = _tiled_products()
+    if available is None or (request.param == "amx" and available != "amx"):
+        pytest.skip(f"tiled products on {request.param}: not on this CPU")
+    ops = native_kernels()._ops
+    before = ops.allow_matrix_units(request.param == "amx")
+    yield request.param
+    ops.allow_matrix_units(before)
 
 
 def test_tile_layout_is_the_one_the_matrix_units_read():
@@ -110,10 +124,9 @@ def test_only_whole_bfloat16_tiles_fit():
     assert not tiles_fit(torch.zeros(32, 172, dtype=torch.bfloat16))
 
 
-@needs_amx
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tiled_products_agree_with_a_float32_product_rounded_once(rows, with_bias):
+def test_tiled_products_agree_with_a_float32_product_rounded_once(tiled_path, rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(208, 96, generator=generator).to(torch.bfloat16)  # 13 column tiles: an odd one at the end
     bias = torch.randn(208, generator=generator).to(torch.bfloat16) if with_bias else None
@@ -137,10 +150,9 @@ def test_a_paired_gate_up_holds_each_gate_tile_beside_its_up_tile():
     assert not is_paired(tile_weight(weight))
 
 
-@needs_amx
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_paired_gate_up_multiplies_as_its_dense_weight_and_fuses_silu_exactly(rows, with_bias):
+def test_a_paired_gate_up_multiplies_as_its_dense_weight_and_fuses_silu_exactly(tiled_path, rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
     intermediate, hidden = 48, 96  # 3 column tiles a half: an odd last pair in the plain layout
     weight = torch.randn(2 * intermediate, hidden, generator=generator).to(torch.bfloat16)
@@ -176,8 +188,7 @@ def test_the_mlps_gate_up_weights_go_paired_and_the_rest_plain():
     assert sum(isinstance(m, LlamaMLP) for m in model.modules()) == 2
 
 
-@needs_amx
-def test_tiled_products_take_any_leading_shape_and_no_rows():
+def test_tiled_products_take_any_leading_shape_and_no_rows(tiled_path):
     weight = torch.randn(32, 64).to(torch.bfloat16)
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     out = linear(x, tile_weight(weight), None)
@@ -187,8 +198,8 @@ def test_tiled_products_take_any_leading_shape_and_no_rows():
         linear(torch.randn(3, 32).to(torch.bfloat16), tile_weight(weight), None)
 
 
-@needs_amx
-def test_bfloat16_weights_that_fit_go_to_the_matrix_units_the_rest_to_onednn(stories_dir):
+@needs_tiles
+def test_bfloat16_weights_that_fit_go_in_tiles_the_rest_to_onednn(stories_dir):
     model = load_model(stories_dir, "cpu", torch.bfloat16, max_positions=64)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     dense = {name: m.weight.data.clone() for name, m in linears.items()}
@@ -208,7 +219,7 @@ def test_bfloat16_weights_that_fit_go_to_the_matrix_units_the_rest_to_onednn(sto
     assert prepack_linears(model, tiles=True) == 0
 
 
-@needs_amx
+@needs_tiles
 def test_an_engine_tiles_bfloat16_weights_and_pads_rows_only_for_onednn(stories_dir):
     prompts = ["Once upon a time", "The dog ran to the"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -25,12 +25,13 @@ pytestmark = pytest.mark.skipif(cpu_kernels.native_kernels() is None, reason="th
 
 
 def _prepacked(dtype: str) -> bool:
-    """Whether this CPU prepacks weights of `dtype` for the fused layer: in tiles for the matrix units
-    (bfloat16 where AMX is), else in oneDNN's layout."""
-    return (dtype == "bfloat16" and cpu_kernels.native_kernels().amx) or prepack_supported(getattr(torch, dtype))
+    """Whether this CPU prepacks weights of `dtype` for the fused layer: in tiles (bfloat16 where
+    AVX512-BF16 is), else in oneDNN's layout."""
+    return ((dtype == "bfloat16" and cpu_kernels.native_kernels().tiled_products is not None)
+            or prepack_supported(getattr(torch, dtype)))
 
 
-# float32 is always oneDNN's; bfloat16 is in tiles on a CPU with AMX, oneDNN's elsewhere.
+# float32 is always oneDNN's; bfloat16 is in tiles on a CPU with AVX512-BF16, oneDNN's elsewhere.
 DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not _prepacked(d), reason=f"no prepacked {d} products here"))
           for d in ("float32", "bfloat16")]
 
@@ -93,7 +94,8 @@ def test_weights_not_prepacked_run_the_layers_python(tiled_model, monkeypatch, e
     assert taken["fused"] == 0 and taken["declined"] > 0
 
 
-@pytest.mark.skipif(not cpu_kernels.native_kernels().amx, reason="no AMX here: bfloat16 is all oneDNN's")
+@pytest.mark.skipif(cpu_kernels.native_kernels().tiled_products is None,
+                    reason="no AVX512-BF16 here: bfloat16 is all oneDNN's")
 def test_weights_partly_in_tiles_run_the_layers_python(stories_dir, monkeypatch):
     llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20)  # stories260k's MLP is oneDNN's
     _, taken = _generate(llm, [[1, 400, 300], [1, 50]], monkeypatch, fused=True)

@@ -1,6 +1,7 @@
 // Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
-// several, each with its own allocation and thread fork. And, where the CPU has AMX, bfloat16 products on
-// its matrix units (amx_linear.h). Built at first use by llmq/model/cpu_kernels.py,
+// several, each with its own allocation and thread fork. And, where the CPU has AVX512-BF16, bfloat16
+// products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h). Built at
+// first use by llmq/model/cpu_kernels.py,
 // which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
 //
 // Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
@@ -27,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-#include "amx_linear.h"
+#include "tiled_linear.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
 #include "work_split.h"
@@ -608,48 +609,59 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 }
 #endif
 
-// ---- bfloat16 products on the matrix units -------------------------------------------------------
+// ---- bfloat16 products over weights laid out in tiles ----------------------------------------------
 
-// Whether amx_linear runs here: built for a CPU with AMX, and the kernel lets this process use it.
-bool amx_available() {
-#ifdef LLMQ_HAS_AMX
-  return llmq_amx::permitted();
+// What runs tiled_linear here: "amx" (the matrix units: built for a CPU with AMX, and the kernel lets this
+// process use them), "avx512-bf16" (the vector dot products), or "" where this build has neither.
+std::string tiled_products() {
+#ifdef LLMQ_HAS_TILED_LINEAR
+  return llmq_tiled::on_matrix_units() ? "amx" : "avx512-bf16";
 #else
-  return false;
+  return "";
 #endif
 }
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
-#ifdef LLMQ_HAS_AMX
+// Lets tiled_linear take the matrix units where the CPU has them, or not (the tests check both paths);
+// returns whether it could before.
+bool allow_matrix_units(bool allowed) {
+#ifdef LLMQ_HAS_TILED_LINEAR
+  return llmq_tiled::matrix_units_allowed().exchange(allowed);
+#else
+  return allowed;
+#endif
+}
+
+torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
+#ifdef LLMQ_HAS_TILED_LINEAR
   check_cpu(x, "x");
-  return llmq_amx::linear(x, tiles, bias);
+  return llmq_tiled::linear(x, tiles, bias);
 #else
-  TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU lacks AMX-BF16, or the compiler does not target it)");
+  TORCH_CHECK(false, "tiled_linear: this build has no AVX512-BF16 (the CPU lacks it, or the compiler does not target it)");
 #endif
 }
 
-// silu(x @ gate.T) * (x @ up.T) in bfloat16 on the matrix units, for a gate/up weight laid out paired
-// (cpu_prepack.tile_gate_up): equal to silu_and_mul(amx_linear(x, tiles)) without storing the product.
-torch::Tensor amx_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tiles,
+// silu(x @ gate.T) * (x @ up.T) in bfloat16, for a gate/up weight laid out paired in tiles
+// (cpu_prepack.tile_gate_up): equal to silu_and_mul(tiled_linear(x, tiles)) without storing the product.
+torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tiles,
                                const c10::optional<torch::Tensor>& bias) {
-#ifdef LLMQ_HAS_AMX
+#ifdef LLMQ_HAS_TILED_LINEAR
   check_cpu(x, "x");
-  return llmq_amx::gated(x, tiles, bias, [](const uint16_t* gate, const uint16_t* up, uint16_t* dst) {
+  return llmq_tiled::gated(x, tiles, bias, [](const uint16_t* gate, const uint16_t* up, uint16_t* dst) {
     silu_mul_row(reinterpret_cast<const c10::BFloat16*>(gate), reinterpret_cast<const c10::BFloat16*>(up),
                  reinterpret_cast<c10::BFloat16*>(dst), 16);
   });
 #else
   TORCH_CHECK(false,
-              "amx_silu_and_mul: this build has no AMX (the CPU lacks AMX-BF16, or the compiler does not target it)");
+              "tiled_silu_and_mul: this build has no AVX512-BF16 (the CPU lacks it, or the compiler does not target it)");
 #endif
 }
 
 // ---- a whole decoder layer, for a step whose attention is all the paged kernel's ----------------------
 
 // One Llama decoder layer's weights, gathered once so that a step's call passes one object, not a dozen
-// tensors. Each product's weight is laid out for the product llama.py's `linear` would run: in tiles for
-// the matrix units (qkv, o, down: cpu_prepack.tile_weight; gate/up paired: tile_gate_up), or oneDNN's
-// packed layout (every one of them).
+// tensors. Each product's weight is laid out for the product llama.py's `linear` would run: in tiles
+// (qkv, o, down: cpu_prepack.tile_weight; gate/up paired: tile_gate_up), or oneDNN's packed layout (every
+// one of them).
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   torch::Tensor qkv, o, gate_up, down;
@@ -659,8 +671,7 @@ struct LayerWeights {
   double scale;
 };
 
-// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, else the matrix
-// units' for tiles.
+// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, else tiled_linear.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   if (weight.is_mkldnn()) {
     static auto onednn = c10::Dispatcher::singleton()
@@ -670,19 +681,19 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
                                                std::optional<c10::string_view>)>();
     return onednn.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>(""));
   }
-#ifdef LLMQ_HAS_AMX
-  return llmq_amx::linear(x, weight, bias);
+#ifdef LLMQ_HAS_TILED_LINEAR
+  return llmq_tiled::linear(x, weight, bias);
 #else
-  TORCH_CHECK(false, "decoder_layer: a weight in tiles, and this build has no AMX");
+  TORCH_CHECK(false, "decoder_layer: a weight in tiles, and this build has no AVX512-BF16");
 #endif
 }
 
-// silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass of the
-// matrix units for a paired weight, else the product and then silu_and_mul.
+// silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass over a
+// paired weight in tiles, else the product and then silu_and_mul.
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up,
                             const c10::optional<torch::Tensor>& bias) {
   if (gate_up.is_mkldnn()) return silu_and_mul(product(x, gate_up, bias));
-  return amx_silu_and_mul(x, gate_up, bias);
+  return tiled_silu_and_mul(x, gate_up, bias);
 }
 
 // llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
@@ -743,8 +754,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef LLMQ_HAS_ARGMAX_ROWS
   m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equals) in one pass");
 #endif
-  m.def("amx_available", &amx_available, "whether amx_linear runs on this CPU");
-  m.def("amx_linear", &amx_linear, "x @ W.T (+ bias) in bfloat16 on the matrix units, W laid out in tiles",
+  m.def("tiled_products", &tiled_products, "what runs tiled_linear on this CPU: amx, avx512-bf16, or none");
+  m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
+  m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
@@ -757,7 +769,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_tables"), py::arg("block_size"));
-  m.def("amx_silu_and_mul", &amx_silu_and_mul,
-        "silu(x @ gate.T) * (x @ up.T) in bfloat16 on the matrix units, gate and up laid out paired in tiles",
+  m.def("tiled_silu_and_mul", &tiled_silu_and_mul,
+        "silu(x @ gate.T) * (x @ up.T) in bfloat16, gate and up laid out paired in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
 }

@@ -1,18 +1,24 @@
-// bfloat16 matrix products on the CPU's matrix units (AMX), included by cpu_kernels.cpp, for weights laid
-// out in tiles once at load (llmq/model/cpu_prepack.py's tile_weight).
+// bfloat16 matrix products for weights laid out in tiles once at load (llmq/model/cpu_prepack.py's
+// tile_weight), included by cpu_kernels.cpp: on the CPU's matrix units where it has AMX, else in
+// AVX512-BF16's dot products (VDPBF16PS), which read the same layout.
 //
 // Why a kernel of our own: a decode step's products have few rows, so what they cost is reading the weight
 // from memory, and oneDNN's product (with its weight prepacked) reads it well below the memory's speed at
 // those shapes and spends tens of microseconds per call before any arithmetic. Here each weight tile is read
-// once per call, in the order it lies in memory, and a call costs little more than its tiles.
+// once per call, in the order it lies in memory, and a call costs little more than its tiles. The same
+// loop, with the gate/up weight paired, gives silu(gate) * up without storing the product (`gated`).
 //
 // Layout: weight [N, K] -> tiles [N / 16, K / 32, 16, 32]. Tile (n, k) holds output columns n * 16 ..
 // n * 16 + 15 over inputs k * 32 .. k * 32 + 31, as TDPBF16PS reads its second operand: row r holds, for
 // each of the 16 columns c in turn, the pair W[n * 16 + c][k * 32 + 2r], W[n * 16 + c][k * 32 + 2r + 1].
+// That row is also one vector of VDPBF16PS: 16 columns' sums, each over the input pair 2r, 2r + 1.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
+#define LLMQ_HAS_TILED_LINEAR 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define LLMQ_HAS_AMX 1
+#endif
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -20,9 +26,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <cstdint>
 
-namespace llmq_amx {
+namespace llmq_tiled {
 
 constexpr int kTileRows = 16;                      // rows of an input tile and of a result tile
 constexpr int kTileInputs = 32;                    // bfloat16 inputs a tile row spans
@@ -39,6 +47,7 @@ constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
 // loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead.
 constexpr int64_t kPrefetchSteps = 16;
 
+#ifdef LLMQ_HAS_AMX
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -53,6 +62,25 @@ inline bool permitted() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
+}
+#endif
+
+// Whether the products may take the matrix units where they are there: the tests turn them off to check
+// the dot products' path on a CPU that has both.
+inline std::atomic<bool>& matrix_units_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+// Whether the products run on the matrix units (AMX, where built for, granted and allowed), else on
+// AVX512-BF16's dot products (VDPBF16PS), which read the same layout: a tile row is one vector of 16
+// columns' pairs.
+inline bool on_matrix_units() {
+#ifdef LLMQ_HAS_AMX
+  return matrix_units_allowed() && permitted();
+#else
+  return false;
+#endif
 }
 
 // Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
@@ -70,6 +98,7 @@ inline void prefetch_weight_step(const uint16_t* tiles, int64_t pair, int64_t st
   }
 }
 
+#ifdef LLMQ_HAS_AMX
 // Every tile 16 rows of 64 bytes. Tiles 0-3: results (2 row tiles x 2 column tiles); 4-5: input rows;
 // 6-7: weight. The configuration is the calling thread's.
 inline void configure_tiles() {
@@ -80,6 +109,7 @@ inline void configure_tiles() {
   }
   _tile_loadconfig(&config);
 }
+#endif
 
 // A pass's results: float32 tiles of 16 x 16, [row tile][column tile][row][column].
 using ResultTiles = float[2][2][kTileRows][16];
@@ -91,11 +121,11 @@ struct TiledWeight {
   int64_t k_tiles, col_blocks;
 };
 
-// Checks a tiled weight for `input` and returns its [M, K] rows, padded with zeros to a multiple of 16
-// in a copy where needed (every tile then has one shape, configured once; laying the input out in tiles
-// as well, for contiguous tile loads, measured slower: the copy costs more than it saves).
+// Checks a tiled weight for `input` and returns its [M, K] rows, contiguous; for the matrix units padded
+// with zeros to a multiple of 16 in a copy where needed (every tile then has one shape, configured once;
+// laying the input out in tiles as well, for contiguous tile loads, measured slower: the copy costs more
+// than it saves). The dot products take any number of rows.
 inline at::Tensor padded_rows(const at::Tensor& input, const at::Tensor& tiles, const char* op) {
-  TORCH_CHECK(permitted(), op, ": the kernel refused this process the CPU's matrix units");
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16, op,
               ": bfloat16 input and tiles");
   const bool plain = tiles.dim() == 4, paired = tiles.dim() == 5 && tiles.size(1) == 2;
@@ -106,16 +136,67 @@ inline at::Tensor padded_rows(const at::Tensor& input, const at::Tensor& tiles, 
   TORCH_CHECK(input.size(-1) == k, op, ": input has ", input.size(-1), " features, the weight ", k);
   const at::Tensor x = input.reshape({-1, k});
   const int64_t m = x.size(0);
+  if (!on_matrix_units()) return x.contiguous();
   if (m % kTileRows == 0 && x.is_contiguous()) return x;
   at::Tensor a = at::zeros({(m + kTileRows - 1) / kTileRows * kTileRows, k}, x.options());
   a.narrow(0, 0, m).copy_(x);
   return a;
 }
 
-// a [row_tiles * 16, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32
-// rows handed to emit(c, row tiles, column tiles, first row, pair) as they are done; emit drops padding.
+// How `multiply` splits the weight between threads: runs of column pairs, no longer than kChunkBytes (or
+// kFewRowsChunkBytes for up to kFewRowTiles row tiles), as many for each thread, of (nearly) equal length.
+struct PairRuns {
+  int64_t pairs, per_chunk, chunks;
+
+  PairRuns(const TiledWeight& w, int64_t row_tiles) {
+    pairs = (w.col_blocks + 1) / 2;
+    const int64_t pair_bytes = 2 * w.k_tiles * kTileElements * 2;
+    const int64_t chunk_bytes = row_tiles <= kFewRowTiles ? kFewRowsChunkBytes : kChunkBytes;
+    const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, chunk_bytes / pair_bytes);
+    const int64_t runs = ((pairs + longest - 1) / longest + threads - 1) / threads * threads;
+    per_chunk = (pairs + runs - 1) / runs;
+    chunks = (pairs + per_chunk - 1) / per_chunk;
+  }
+};
+
+// `rows` (at most kDotRows) rows of a, from `a0` (row stride k), times one column pair's tiles b0 (and
+// b1 where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32).
+constexpr int kDotRows = 8;
+
+template <int Rows>
+inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
+                     int64_t k_tiles, bool prefetch, const uint16_t* tiles, int64_t pair, int64_t pairs,
+                     int64_t col_blocks, float (*c)[2][kTileRows][16], int first) {
+  __m512 acc[Rows][2];
+  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (prefetch) prefetch_weight_step(tiles, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
+    const uint16_t* t0 = b0 + kt * kTileElements;
+    const uint16_t* t1 = b1 + kt * kTileElements;
+    const uint16_t* a = a0 + kt * kTileInputs;
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t0 + r * kTileInputs);
+      const __m512bh w1 = two_cols ? (__m512bh)_mm512_loadu_si512(t1 + r * kTileInputs) : w0;
+      for (int i = 0; i < Rows; ++i) {
+        int32_t both;
+        std::memcpy(&both, a + i * k + 2 * r, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+      }
+    }
+  }
+  for (int i = 0; i < Rows; ++i) {
+    const int row = first + i;
+    _mm512_store_ps(c[row / kTileRows][0][row % kTileRows], acc[i][0]);
+    _mm512_store_ps(c[row / kTileRows][1][row % kTileRows], acc[i][1]);
+  }
+}
+
+#ifdef LLMQ_HAS_AMX
+// `multiply` on the matrix units, for a [row_tiles * 16, K].
 template <typename Emit>
-void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
+void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
   const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
   const int64_t row_tiles = a.size(0) / kTileRows;
   const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
@@ -123,15 +204,8 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
   const int64_t a_stride = k * 2;
   // Each weight tile is read once, in memory order: a thread takes runs of column pairs, and every
   // group of 32 rows passes over a run while its tiles are in the thread's L2.
-  const int64_t pairs = (col_blocks + 1) / 2;
-  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2;
-  // Runs no longer than kChunkBytes, as many for each thread, of (nearly) equal length.
-  const int64_t chunk_bytes = row_tiles <= kFewRowTiles ? kFewRowsChunkBytes : kChunkBytes;
-  const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, chunk_bytes / pair_bytes);
-  const int64_t runs = ((pairs + longest - 1) / longest + threads - 1) / threads * threads;
-  const int64_t per_chunk = (pairs + runs - 1) / runs;
-  const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
-
+  const PairRuns split(w, row_tiles);
+  const int64_t pairs = split.pairs, per_chunk = split.per_chunk, chunks = split.chunks;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) ResultTiles c;
@@ -178,6 +252,62 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
     _tile_release();
   });
 }
+#endif
+
+// `multiply` in AVX512-BF16's dot products, for a [M, K] of any M: the same runs and passes, each pass's
+// rows taken kDotRows at a time with their sums in registers.
+template <typename Emit>
+void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
+  const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
+  const int64_t m = a.size(0), row_tiles = (m + kTileRows - 1) / kTileRows;
+  const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const uint16_t* B = w.tiles;
+  const PairRuns split(w, row_tiles);
+  at::parallel_for(0, split.chunks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) ResultTiles c;
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t last_pair = std::min(split.pairs, (chunk + 1) * split.per_chunk);
+      for (int64_t row0 = 0; row0 < m; row0 += 2 * kTileRows) {
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - row0);
+        for (int64_t pair = chunk * split.per_chunk; pair < last_pair; ++pair) {
+          const int64_t block = pair * 2;
+          const bool two_cols = block + 1 < col_blocks;
+          const uint16_t* b0 = B + block * k_tiles * kTileElements;
+          const uint16_t* b1 = b0 + k_tiles * kTileElements;
+          for (int first = 0; first < rows; first += kDotRows) {
+            const uint16_t* a0 = A + (row0 + first) * k;
+            const bool prefetch = row0 == 0 && first == 0;
+#define LLMQ_DOT_ROWS(R)                                                                                   \
+  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, B, pair, split.pairs, col_blocks, c, first); \
+  break;
+            switch (std::min<int64_t>(kDotRows, rows - first)) {
+              case 1: LLMQ_DOT_ROWS(1)
+              case 2: LLMQ_DOT_ROWS(2)
+              case 3: LLMQ_DOT_ROWS(3)
+              case 4: LLMQ_DOT_ROWS(4)
+              case 5: LLMQ_DOT_ROWS(5)
+              case 6: LLMQ_DOT_ROWS(6)
+              case 7: LLMQ_DOT_ROWS(7)
+              default: LLMQ_DOT_ROWS(8)
+            }
+#undef LLMQ_DOT_ROWS
+          }
+          emit(c, static_cast<int>((rows + kTileRows - 1) / kTileRows), two_cols ? 2 : 1, row0, pair);
+        }
+      }
+    }
+  });
+}
+
+// a [M, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32 rows handed to
+// emit(c, row tiles, column tiles, first row, pair) as they are done; emit drops rows past M.
+template <typename Emit>
+void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
+#ifdef LLMQ_HAS_AMX
+  if (on_matrix_units()) return multiply_on_tiles(a, w, emit);
+#endif
+  multiply_in_vectors(a, w, emit);
+}
 
 inline TiledWeight tiled_weight(const at::Tensor& tiles) {
   const int64_t k_tiles = tiles.size(-3);
@@ -194,7 +324,7 @@ inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n, c
 // [N/16, K/32, 16, 32] (cpu_prepack.tile_weight), or paired [N/32, 2, K/32, 16, 32]
 // (cpu_prepack.tile_gate_up), whose column pair p holds columns 16p .. 16p + 15 and N/2 + 16p .. N/2 + 16p + 15.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
-  const at::Tensor a = padded_rows(input, tiles, "amx_linear");
+  const at::Tensor a = padded_rows(input, tiles, "tiled_linear");
   const TiledWeight w = tiled_weight(tiles);
   const int64_t m = input.numel() / input.size(-1), n = w.col_blocks * 16;
   const bool paired = tiles.dim() == 5;
@@ -202,7 +332,7 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
   out_shape.back() = n;
   at::Tensor out = at::empty({m, n}, input.options());
   if (m == 0) return out.view(out_shape);
-  const at::Tensor bias_f = float_bias(bias, n, "amx_linear");
+  const at::Tensor bias_f = float_bias(bias, n, "tiled_linear");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
   multiply(a, w, [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
@@ -228,15 +358,15 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
 template <typename Combine>
 at::Tensor gated(const at::Tensor& input, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias,
                  const Combine& combine) {
-  TORCH_CHECK(tiles.dim() == 5, "amx_gated: tiles must be paired, [I/16, 2, K/32, 16, 32]");
-  const at::Tensor a = padded_rows(input, tiles, "amx_gated");
+  TORCH_CHECK(tiles.dim() == 5, "tiled_gated: tiles must be paired, [I/16, 2, K/32, 16, 32]");
+  const at::Tensor a = padded_rows(input, tiles, "tiled_gated");
   const TiledWeight w = tiled_weight(tiles);
   const int64_t m = input.numel() / input.size(-1), width = w.col_blocks * 8;
   auto out_shape = input.sizes().vec();
   out_shape.back() = width;
   at::Tensor out = at::empty({m, width}, input.options());
   if (m == 0) return out.view(out_shape);
-  const at::Tensor bias_f = float_bias(bias, 2 * width, "amx_gated");
+  const at::Tensor bias_f = float_bias(bias, 2 * width, "tiled_gated");
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
   multiply(a, w, [&](const ResultTiles& c, int row_tiles, int, int64_t row0, int64_t pair) {
@@ -257,5 +387,5 @@ at::Tensor gated(const at::Tensor& input, const at::Tensor& tiles, const c10::op
   return out.view(out_shape);
 }
 
-}  // namespace llmq_amx
+}  // namespace llmq_tiled
 #endif
