@@ -643,7 +643,7 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, c
 // silu(x @ gate.T) * (x @ up.T) in bfloat16, for a gate/up weight laid out paired in tiles
 // (cpu_prepack.tile_gate_up): equal to silu_and_mul(tiled_linear(x, tiles)) without storing the product.
 torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tiles,
-                               const c10::optional<torch::Tensor>& bias) {
+                                 const c10::optional<torch::Tensor>& bias) {
 #ifdef LLMQ_HAS_TILED_LINEAR
   check_cpu(x, "x");
   return llmq_tiled::gated(x, tiles, bias, [](const uint16_t* gate, const uint16_t* up, uint16_t* dst) {
@@ -681,11 +681,7 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
                                                std::optional<c10::string_view>)>();
     return onednn.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>(""));
   }
-#ifdef LLMQ_HAS_TILED_LINEAR
-  return llmq_tiled::linear(x, weight, bias);
-#else
-  TORCH_CHECK(false, "decoder_layer: a weight in tiles, and this build has no AVX512-BF16");
-#endif
+  return tiled_linear(x, weight, bias);
 }
 
 // silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass over a
