@@ -25,7 +25,8 @@ from llmq.engine.scheduler import ScheduledBatch
 from llmq.engine.step_input import StepInput, micro_batches
 from llmq.model.attention import (PAGED_KERNELS, AttentionMetadata, PrefillSpan, choose_attention_backend,
                                   longest_kernel_prompt)
-from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_tiled, native_kernels, native_kernels_failure
+from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paneled, is_tiled, native_kernels,
+                                    native_kernels_failure)
 from llmq.model.cpu_prepack import build_kernels, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
 from llmq.model.loader import load_model
@@ -114,9 +115,11 @@ class ModelRunner:
                                 self.group.comm if self.group else None, quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         self.kernels = self._choose_kernels(config)
-        self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.tiled_products is not None)
+        self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.tiled_products is not None,
+                                              panels=self.kernels.panel_products is not None)
                               if self.device.type == "cpu" and config.prepack_weights else 0)
         self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
+        self.num_paneled = sum(1 for p in self.model.parameters() if is_paneled(p))
         self.model.pad_rows = packed_for_onednn(self.model) > 0
         if self.model.pad_rows:
             started = time.perf_counter()
@@ -144,8 +147,8 @@ class ModelRunner:
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
         packed = (f"; {self.num_prepacked} weight matrices prepacked ({self.num_tiled} in tiles for "
-                  f"{self.kernels.tiled_products}, {self.num_prepacked - self.num_tiled} for oneDNN)"
-                  if self.num_prepacked else "")
+                  f"{self.kernels.tiled_products}, {self.num_paneled} in panels for {self.kernels.panel_products}, "
+                  f"{self.num_prepacked - self.num_tiled - self.num_paneled} for oneDNN)" if self.num_prepacked else "")
         log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
                  self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
                  self.attention_backend, torch.get_num_threads())

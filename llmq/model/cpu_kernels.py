@@ -39,6 +39,7 @@ class TorchKernels:
 
     name = "torch"
     tiled_products: str | None = None  # bfloat16 products over weights in tiles: the fused kernels' (NativeKernels)
+    panel_products: str | None = None  # float32 products over weights in panels: the same
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,6 +92,9 @@ class NativeKernels(TorchKernels):
         # matrix units) or "avx512-bf16" (its vector dot products); None where neither, and cpu_prepack.py
         # then packs bfloat16 weights for oneDNN instead of in tiles for tiled_linear.
         self.tiled_products = module.tiled_products() or None
+        # What multiplies float32 weights laid out in panels here (csrc/panel_linear.h): "avx2" on an AVX2
+        # CPU without AVX-512; None elsewhere, where float32 weights are packed for oneDNN.
+        self.panel_products = module.panel_products() or None
 
     def rms_norm(self, x, weight, eps):
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
@@ -140,7 +144,8 @@ class NativeKernels(TorchKernels):
 
     def _layer_weights(self, layer):
         """The layer's weights gathered for decoder_layer, kept on the layer while its weights stay the
-        same tensors; None where they are not all prepacked one way (quantized, tensor-parallel, dense)."""
+        same tensors; None where they are not all prepacked one way (in tiles, in panels, or for oneDNN;
+        not quantized, tensor-parallel or dense)."""
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         matrices = tuple(getattr(p, "weight", None) for p in projections)
@@ -150,7 +155,8 @@ class NativeKernels(TorchKernels):
         weights = None
         tiled = (all(m is not None and is_tiled(m) for m in matrices) and is_paired(matrices[2])
                  and not any(is_paired(m) for m in matrices[:2] + matrices[3:]))
-        if tiled or all(m is not None and m.is_mkldnn for m in matrices):
+        if (tiled or all(m is not None and m.is_mkldnn for m in matrices)
+                or all(m is not None and is_paneled(m) for m in matrices)):
             weights = self._ops.LayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *matrices,
                 *(p.bias for p in projections), layer.input_layernorm.eps, attention.num_heads,
@@ -200,6 +206,12 @@ def is_tiled(weight: torch.Tensor) -> bool:
     return not weight.is_mkldnn and weight.dim() in (4, 5)
 
 
+def is_paneled(weight: torch.Tensor) -> bool:
+    """Whether a weight was laid out in panels for panel_linear: [N/16, K, 16] by cpu_prepack.panel_weight
+    (no dense weight of a Linear has three dimensions)."""
+    return not weight.is_mkldnn and weight.dim() == 3
+
+
 def is_paired(weight: torch.Tensor) -> bool:
     """Whether a gate/up weight was laid out paired by cpu_prepack.tile_gate_up."""
     return not weight.is_mkldnn and weight.dim() == 5
@@ -209,6 +221,12 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     """x @ W.T (+ bias) in bfloat16, for W laid out in tiles by cpu_prepack, which does so only where
     native_kernels().tiled_products: on the CPU's matrix units (AMX), or its AVX512-BF16 dot products."""
     return _loaded._ops.tiled_linear(x, tiles, bias)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) in float32, for W laid out in panels by cpu_prepack, which does so only where
+    native_kernels().panel_products: on an AVX2 CPU's fused multiply-adds."""
+    return _loaded._ops.panel_linear(x, panels, bias)
 
 
 _lock = threading.Lock()

@@ -2,13 +2,16 @@
 
 F.linear hands a CPU product to MKL, which repacks the weight operand into its blocked layout on
 every call. For decode-shaped products (a few dozen rows against a wide matrix such as the LM head)
-that repacking costs more than the arithmetic. So each weight is laid out once, in one of two ways,
+that repacking costs more than the arithmetic. So each weight is laid out once, in one of three ways,
 and `linear` in llama.py runs the product its layout is for:
 - bfloat16 on a CPU with AVX512-BF16 (where the fused CPU kernels are in use and report it): tiles
   (`tile_weight`), multiplied by csrc/tiled_linear.h on the matrix units where the CPU has AMX, else
   in its vector dot products. It reads a decode step's weights at close to the memory's speed where
   oneDNN's product does not, and costs little per call. An MLP's gate/up weight is laid out paired
   (`tile_gate_up`), so that its product and SiLU run in one pass;
+- float32 on an AVX2 CPU without AVX-512 (where the fused kernels report panel products): panels
+  (`panel_weight`), multiplied by csrc/panel_linear.h, which there runs faster than oneDNN's float32
+  product at every row count (at decode sizes by reading the weight at close to the memory's speed);
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmq.model.cpu_kernels import is_tiled
+from llmq.model.cpu_kernels import is_paneled, is_tiled
 from llmq.model.llama import Linear, LlamaMLP, linear
 from llmq.model.row_buckets import buckets_up_to
 from llmq.model.tensor_parallel import VocabParallelHead
@@ -79,12 +82,46 @@ def untile_weight(tiles: torch.Tensor) -> torch.Tensor:
     return pairs.permute(0, 3, 1, 2, 4).reshape(col_blocks * TILE_COLUMNS, k_tiles * TILE_INPUTS)
 
 
-def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
+# A panel: 16 output columns over every input (csrc/panel_linear.h).
+PANEL_COLUMNS = 16
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether a dense weight [N, K] can be laid out in panels: float32, N whole panels."""
+    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % PANEL_COLUMNS == 0
+
+
+def panel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16]: panel p's row k holds weight[16p .. 16p + 15, k] (one input's 16 columns)."""
+    n, k = weight.shape
+    return weight.contiguous().view(n // PANEL_COLUMNS, PANEL_COLUMNS, k).transpose(1, 2).contiguous()
+
+
+def unpanel_weight(panels: torch.Tensor) -> torch.Tensor:
+    """panel_weight's inverse: [N/16, K, 16] -> [N, K]."""
+    num_panels, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * PANEL_COLUMNS, k)
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as the plain [N, K] matrix, whichever layout it was packed in (or none)."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    if is_paneled(weight):
+        return unpanel_weight(weight)
+    if is_tiled(weight):
+        return untile_weight(weight)
+    return weight
+
+
+def prepack_linears(model: nn.Module, tiles: bool = False, panels: bool = False) -> int:
     """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place: in
-    tiles where `tiles` (the fused kernels report tiled products) and the weight fits, else
-    for oneDNN. Returns how many were packed: none where neither can multiply the model's dtype here."""
+    tiles where `tiles` (the fused kernels report tiled products) and the weight fits, in panels where
+    `panels` (they report panel products) and it fits, else for oneDNN. Returns how many were packed:
+    none where nothing here can multiply the model's dtype."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
-               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)]
+               and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)
+               and not is_paneled(m.weight)]
     # The MLPs' gate/up projections go paired, for their product and SiLU in one pass.
     gate_ups = {id(m.gate_up_proj) for m in model.modules() if isinstance(m, LlamaMLP)}
     packed = 0
@@ -95,6 +132,8 @@ def prepack_linears(model: nn.Module, tiles: bool = False) -> int:
                 layout = tile_gate_up(weight)
             elif tiles and tiles_fit(weight):
                 layout = tile_weight(weight)
+            elif panels and panels_fit(weight):
+                layout = panel_weight(weight)
             elif prepack_supported(weight.dtype):
                 layout = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
             else:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmq.model.attention import AttentionMetadata, paged_attention
-from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_tiled, tiled_linear
+from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_paneled, is_tiled, panel_linear, tiled_linear
 from llmq.model.model_config import ModelConfig
 from llmq.model.rope import rope_cache
 from llmq.model.row_buckets import padded_rows
@@ -29,9 +29,12 @@ def _weight(*shape, device, dtype) -> nn.Parameter:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, or where the weight was prepacked for a CPU (llmq/model/cpu_prepack.py) the product its
-    layout is for: oneDNN's, or tiled_linear for a weight laid out in tiles."""
+    layout is for: oneDNN's, panel_linear for a weight laid out in panels, or tiled_linear for one in
+    tiles."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if is_paneled(weight):
+        return panel_linear(x, weight, bias)
     if is_tiled(weight):
         return tiled_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -1,6 +1,6 @@
-"""Weights prepacked on a CPU (llmq/model/cpu_prepack.py): what gets packed, for oneDNN or in tiles
-for the matrix units, that the packed products agree with F.linear's (or a float32 product's), and
-that an engine generates the same tokens either way."""
+"""Weights prepacked on a CPU (llmq/model/cpu_prepack.py): what gets packed, for oneDNN, in tiles for
+the matrix units or in panels for AVX2's float32 products, that the packed products agree with
+F.linear's (or a float32 product's), and that an engine generates the same tokens either way."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
-from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_tiled, native_kernels
-from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, prepack_linears, prepack_supported, tile_gate_up,
-                                    tile_weight, tiles_fit, untile_weight)
+from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
+from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_paneled, is_tiled, native_kernels
+from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, panel_weight, panels_fit, prepack_linears,
+                                    prepack_supported, tile_gate_up, tile_weight, tiles_fit, unpanel_weight,
+                                    untile_weight)
 from llmq.model.llama import Linear, LlamaForCausalLM, LlamaMLP, linear
 from llmq.model.model_config import ModelConfig
 from llmq.model.loader import load_model
@@ -228,3 +230,90 @@ def test_an_engine_tiles_bfloat16_weights_and_pads_rows_only_for_onednn(stories_
     assert runner.num_tiled == runner.num_prepacked - packed_for_onednn(runner.model) > 0
     assert runner.model.pad_rows  # stories260k's MLP weights are oneDNN's
     assert all(len(out.outputs[0].token_ids) == 12 for out in llm.generate(prompts, params, use_tqdm=False))
+
+
+# ---- float32 weights in panels (AVX2's fused multiply-adds) ----------------------------------------
+
+needs_panels = pytest.mark.skipif(native_kernels() is None or native_kernels().panel_products is None,
+                                  reason="no float32 panel products here (built for AVX2 CPUs without AVX-512)")
+
+
+def test_panel_layout_holds_each_inputs_sixteen_columns_in_a_row():
+    n, k = 48, 40
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    panels = panel_weight(weight)
+    assert panels.shape == (n // 16, k, 16) and panels.is_contiguous() and is_paneled(panels)
+    for panel, row, col in [(0, 0, 0), (0, 39, 15), (1, 7, 3), (2, 20, 9)]:
+        assert panels[panel, row, col] == weight[16 * panel + col, row]
+    assert torch.equal(unpanel_weight(panels), weight)
+    assert not is_paneled(weight) and not is_tiled(panels)
+
+
+def test_only_float32_weights_of_whole_panels_fit():
+    assert panels_fit(torch.zeros(32, 7))  # any number of inputs
+    assert not panels_fit(torch.zeros(40, 64))  # 40 columns: not whole panels
+    assert not panels_fit(torch.zeros(32, 64, dtype=torch.bfloat16))
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_products_agree_with_f_linear(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(80, 200, generator=generator)  # 5 panels, 200 inputs
+    bias = torch.randn(80, generator=generator) if with_bias else None
+    x = torch.randn(rows, 200, generator=generator)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(linear(x, panel_weight(weight), bias), expected, rtol=1e-5, atol=1e-4)
+    # A strided input (a slice of a wider activation) multiplies the same.
+    wide = torch.cat([x, torch.randn(rows, 3, generator=generator)], dim=1)[:, :200]
+    torch.testing.assert_close(linear(wide, panel_weight(weight), bias), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_panels
+def test_panel_products_take_any_leading_shape_and_no_rows_and_refuse_a_wrong_width():
+    weight = torch.randn(32, 24)
+    x = torch.randn(2, 3, 24)
+    out = linear(x, panel_weight(weight), None)
+    assert out.shape == (2, 3, 32) and torch.equal(out.view(6, 32), linear(x.view(6, 24), panel_weight(weight), None))
+    assert linear(x[0, :0], panel_weight(weight), None).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(3, 16), panel_weight(weight), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        linear(torch.randn(3, 24).to(torch.bfloat16), panel_weight(weight), None)
+
+
+@needs_panels
+def test_float32_weights_that_fit_go_in_panels_the_rest_to_onednn(stories_dir):
+    model = load_model(stories_dir, "cpu", torch.float32, max_positions=64)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    dense = {name: m.weight.data.clone() for name, m in linears.items()}
+    before = weight_footprint(model, torch.float32).bytes
+
+    assert prepack_linears(model, panels=True) == len(linears)
+    for name, module in linears.items():  # stories260k: gate/up's 344 columns are not whole panels
+        fits = panels_fit(dense[name])
+        assert fits == (not name.endswith("gate_up_proj"))
+        assert is_paneled(module.weight) == fits and module.weight.is_mkldnn == (not fits)
+        if fits:
+            assert torch.equal(unpanel_weight(module.weight), dense[name])
+    assert weight_footprint(model, torch.float32).bytes == before + model.model.embed_tokens.weight.numel() * 4
+    assert prepack_linears(model, panels=True) == 0
+
+
+@needs_panels
+def test_an_engine_with_every_weight_in_panels_pads_no_rows(tmp_path):
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+              "tie_word_embeddings": True}
+    folder = write_llama_checkpoint(tmp_path / "model", config, seed=3, tokenizer_json=byte_level_tokenizer_json(),
+                                    tokenizer_config={"add_bos_token": False})
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 200, 31]}, {"prompt_token_ids": [7] * 11}]
+    runs = {}
+    for prepack in (True, False):
+        llm = LLM(str(folder), dtype="float32", prepack_weights=prepack, enable_prefix_caching=False)
+        runner = llm.engine.model_runner
+        assert runner.num_paneled == (2 * 4 + 1 if prepack else 0) and not runner.model.pad_rows
+        runs[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[True] == runs[False] and all(len(tokens) == 10 for tokens in runs[True])

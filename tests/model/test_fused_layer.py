@@ -26,12 +26,14 @@ pytestmark = pytest.mark.skipif(cpu_kernels.native_kernels() is None, reason="th
 
 def _prepacked(dtype: str) -> bool:
     """Whether this CPU prepacks weights of `dtype` for the fused layer: in tiles (bfloat16 where
-    AVX512-BF16 is), else in oneDNN's layout."""
-    return ((dtype == "bfloat16" and cpu_kernels.native_kernels().tiled_products is not None)
-            or prepack_supported(getattr(torch, dtype)))
+    AVX512-BF16 is), in panels (float32 on an AVX2 CPU without AVX-512), else in oneDNN's layout."""
+    kernels = cpu_kernels.native_kernels()
+    return ((dtype == "bfloat16" and kernels.tiled_products is not None)
+            or (dtype == "float32" and kernels.panel_products is not None) or prepack_supported(getattr(torch, dtype)))
 
 
-# float32 is always oneDNN's; bfloat16 is in tiles on a CPU with AVX512-BF16, oneDNN's elsewhere.
+# float32 is in panels on an AVX2 CPU without AVX-512, oneDNN's elsewhere; bfloat16 is in tiles on a CPU
+# with AVX512-BF16, oneDNN's elsewhere.
 DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not _prepacked(d), reason=f"no prepacked {d} products here"))
           for d in ("float32", "bfloat16")]
 
@@ -68,6 +70,8 @@ def _prompts(lengths, seed=0):
 def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_model, monkeypatch, dtype):
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
     prompts = _prompts([5, 17, 40, 64, 9])  # odd row counts: oneDNN's products take padding rows too
+    runner = llm.engine.model_runner
+    assert runner.num_prepacked == 2 * 4 + 1  # every layer's four products and the head, one layout
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
     assert taken["fused"] > 0 and taken["declined"] == 0  # short prompts and decodes: every step fused
     plain, taken = _generate(llm, prompts, monkeypatch, fused=False)

@@ -40,6 +40,7 @@ from transformers import (
 
 from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLM, LLMEngine
+from llmq.model.cpu_prepack import dense_weight
 from llmq.model.loader import ModelLoadError, load_model
 from llmq.model.model_config import ModelConfigError
 from llmq.sampling_params import SamplingParams
@@ -248,13 +249,8 @@ def test_gqa_with_explicit_head_dim(tmp_path):
     llm, _, _ = check_parity(folder, random_prompts([5, 13, 30]))
     attn = llmq_model(llm).model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 2, 16)
-    assert attn.qkv_proj.weight.shape == (8 * 16 + 2 * 2 * 16, 64)
-    assert attn.o_proj.weight.shape == (64, 8 * 16)
-
-
-def dense(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as a plain tensor, also where the engine packed it for oneDNN (llmq/model/cpu_prepack.py)."""
-    return weight.to_dense() if weight.is_mkldnn else weight
+    assert dense_weight(attn.qkv_proj.weight).shape == (8 * 16 + 2 * 2 * 16, 64)
+    assert dense_weight(attn.o_proj.weight).shape == (64, 8 * 16)
 
 
 def test_qwen2_qkv_biases(tmp_path):
@@ -275,7 +271,7 @@ def test_qwen2_qkv_biases(tmp_path):
     torch.testing.assert_close(attn.qkv_proj.bias, expected, atol=0, rtol=0)
     assert attn.o_proj.bias is None
     model = llmq_model(llm)  # tied: the embedding's matrix serves as the output matrix (on a CPU, a packed copy)
-    assert torch.equal(dense(model.lm_head.weight), model.model.embed_tokens.weight)
+    assert torch.equal(dense_weight(model.lm_head.weight), model.model.embed_tokens.weight)
 
 
 def test_untied_embeddings(tmp_path):
@@ -288,7 +284,7 @@ def test_untied_embeddings(tmp_path):
     llm, _, _ = check_parity(folder, random_prompts([9, 17], seed=3))
     model = llmq_model(llm)
     assert model.lm_head is not None
-    torch.testing.assert_close(dense(model.lm_head.weight), tensors["lm_head.weight"], atol=0, rtol=0)
+    torch.testing.assert_close(dense_weight(model.lm_head.weight), tensors["lm_head.weight"], atol=0, rtol=0)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -379,7 +375,7 @@ def test_sharded_checkpoint(tmp_path):
 
     llm, _, _ = check_parity(folder, random_prompts([6, 25], seed=5))
     # Every tensor of every shard landed where it belongs.
-    params = {name: dense(param) for name, param in llmq_model(llm).named_parameters()}
+    params = {name: dense_weight(param) for name, param in llmq_model(llm).named_parameters()}
     config_json = json.loads((folder / "config.json").read_text())
     head_dim = config_json.get("head_dim") or 64 // config_json["num_attention_heads"]
     q_size = config_json["num_attention_heads"] * head_dim

@@ -1,8 +1,8 @@
 // Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
 // several, each with its own allocation and thread fork. And, where the CPU has AVX512-BF16, bfloat16
-// products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h). Built at
-// first use by llmq/model/cpu_kernels.py,
-// which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
+// products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h); on an
+// AVX2 CPU without AVX-512, float32 products over weights laid out in panels (panel_linear.h). Built at
+// first use by llmq/model/cpu_kernels.py, which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
 //
 // Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
 // where the twin rounds after every operator, and also where that rounding is the model's own (RMSNorm's
@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_linear.h"
 #include "tiled_linear.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
@@ -656,12 +657,33 @@ torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& ti
 #endif
 }
 
+// ---- float32 products over weights laid out in panels --------------------------------------------
+
+// What runs panel_linear here: "avx2" (its fused multiply-adds), or "" where this build does not have it
+// (no AVX2, or AVX-512, where float32 weights stay oneDNN's: panel_linear.h says why).
+std::string panel_products() {
+#ifdef LLMQ_HAS_PANEL_LINEAR
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias) {
+#ifdef LLMQ_HAS_PANEL_LINEAR
+  check_cpu(x, "x");
+  return llmq_panels::linear(x, panels, bias);
+#else
+  TORCH_CHECK(false, "panel_linear: this build has no float32 panel products (they are built for AVX2 CPUs without AVX-512)");
+#endif
+}
+
 // ---- a whole decoder layer, for a step whose attention is all the paged kernel's ----------------------
 
 // One Llama decoder layer's weights, gathered once so that a step's call passes one object, not a dozen
 // tensors. Each product's weight is laid out for the product llama.py's `linear` would run: in tiles
-// (qkv, o, down: cpu_prepack.tile_weight; gate/up paired: tile_gate_up), or oneDNN's packed layout (every
-// one of them).
+// (qkv, o, down: cpu_prepack.tile_weight; gate/up paired: tile_gate_up), in panels (every one of them:
+// cpu_prepack.panel_weight), or oneDNN's packed layout (every one of them).
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   torch::Tensor qkv, o, gate_up, down;
@@ -671,7 +693,8 @@ struct LayerWeights {
   double scale;
 };
 
-// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, else tiled_linear.
+// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, panel_linear for a
+// float32 one in panels, else tiled_linear.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   if (weight.is_mkldnn()) {
     static auto onednn = c10::Dispatcher::singleton()
@@ -681,14 +704,15 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
                                                std::optional<c10::string_view>)>();
     return onednn.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>(""));
   }
+  if (weight.dim() == 3) return panel_linear(x, weight, bias);
   return tiled_linear(x, weight, bias);
 }
 
 // silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass over a
-// paired weight in tiles, else the product and then silu_and_mul.
+// paired weight in tiles, else (oneDNN's, or panels) the product and then silu_and_mul.
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up,
                             const c10::optional<torch::Tensor>& bias) {
-  if (gate_up.is_mkldnn()) return silu_and_mul(product(x, gate_up, bias));
+  if (gate_up.is_mkldnn() || gate_up.dim() == 3) return silu_and_mul(product(x, gate_up, bias));
   return tiled_silu_and_mul(x, gate_up, bias);
 }
 
@@ -754,6 +778,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
+  m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx2, or none");
+  m.def("panel_linear", &panel_linear, "x @ W.T (+ bias) in float32, W laid out in panels",
+        py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
