@@ -92,8 +92,8 @@ class NativeKernels(TorchKernels):
         # matrix units) or "avx512-bf16" (its vector dot products); None where neither, and cpu_prepack.py
         # then packs bfloat16 weights for oneDNN instead of in tiles for tiled_linear.
         self.tiled_products = module.tiled_products() or None
-        # What multiplies float32 weights laid out in panels here (csrc/panel_linear.h): "avx2" on an AVX2
-        # CPU without AVX-512; None elsewhere, where float32 weights are packed for oneDNN.
+        # What multiplies float32 and bfloat16 weights laid out in panels here (csrc/panel_linear.h): "avx2"
+        # on an AVX2 CPU without AVX-512; None elsewhere, where they are packed for oneDNN (or in tiles).
         self.panel_products = module.panel_products() or None
 
     def rms_norm(self, x, weight, eps):
@@ -224,8 +224,9 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) in float32, for W laid out in panels by cpu_prepack, which does so only where
-    native_kernels().panel_products: on an AVX2 CPU's fused multiply-adds."""
+    """x @ W.T (+ bias) summed in float32 (float32, or bfloat16 rounded once), for W laid out in panels by
+    cpu_prepack, which does so only where native_kernels().panel_products: on an AVX2 CPU's fused
+    multiply-adds."""
     return _loaded._ops.panel_linear(x, panels, bias)
 
 

@@ -9,9 +9,11 @@ and `linear` in llama.py runs the product its layout is for:
   in its vector dot products. It reads a decode step's weights at close to the memory's speed where
   oneDNN's product does not, and costs little per call. An MLP's gate/up weight is laid out paired
   (`tile_gate_up`), so that its product and SiLU run in one pass;
-- float32 on an AVX2 CPU without AVX-512 (where the fused kernels report panel products): panels
-  (`panel_weight`), multiplied by csrc/panel_linear.h, which there runs faster than oneDNN's float32
-  product at every row count (at decode sizes by reading the weight at close to the memory's speed);
+- float32 and bfloat16 on an AVX2 CPU without AVX-512 (where the fused kernels report panel
+  products): panels (`panel_weight`), multiplied in float32 by csrc/panel_linear.h, which there runs
+  faster than oneDNN's float32 product at every row count (at decode sizes by reading the weight at
+  close to the memory's speed), and far faster than torch's bfloat16 product on a CPU without
+  bfloat16 arithmetic;
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
@@ -87,8 +89,9 @@ PANEL_COLUMNS = 16
 
 
 def panels_fit(weight: torch.Tensor) -> bool:
-    """Whether a dense weight [N, K] can be laid out in panels: float32, N whole panels."""
-    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % PANEL_COLUMNS == 0
+    """Whether a dense weight [N, K] can be laid out in panels: float32 or bfloat16, N whole panels."""
+    return (weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.shape[0] % PANEL_COLUMNS == 0)
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -232,7 +232,7 @@ def test_an_engine_tiles_bfloat16_weights_and_pads_rows_only_for_onednn(stories_
     assert all(len(out.outputs[0].token_ids) == 12 for out in llm.generate(prompts, params, use_tqdm=False))
 
 
-# ---- float32 weights in panels (AVX2's fused multiply-adds) ----------------------------------------
+# ---- float32 and bfloat16 weights in panels (AVX2's fused multiply-adds) ---------------------------
 
 needs_panels = pytest.mark.skipif(native_kernels() is None or native_kernels().panel_products is None,
                                   reason="no float32 panel products here (built for AVX2 CPUs without AVX-512)")
@@ -249,10 +249,11 @@ def test_panel_layout_holds_each_inputs_sixteen_columns_in_a_row():
     assert not is_paneled(weight) and not is_tiled(panels)
 
 
-def test_only_float32_weights_of_whole_panels_fit():
+def test_only_float32_or_bfloat16_weights_of_whole_panels_fit():
     assert panels_fit(torch.zeros(32, 7))  # any number of inputs
+    assert panels_fit(torch.zeros(32, 64, dtype=torch.bfloat16))
     assert not panels_fit(torch.zeros(40, 64))  # 40 columns: not whole panels
-    assert not panels_fit(torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert not panels_fit(torch.zeros(32, 64, dtype=torch.float16))
 
 
 @needs_panels
@@ -271,6 +272,42 @@ def test_panel_products_agree_with_f_linear(rows, with_bias):
 
 
 @needs_panels
+@pytest.mark.parametrize("rows", [1, 6, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_panel_products_agree_with_a_float32_product_rounded_once(rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 96, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(48, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+    out = linear(x, panel_weight(weight), bias)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 48)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_panels
+def test_bfloat16_panel_sums_round_to_nearest_even_as_torch_does():
+    # Each output is one float32 sum of two bfloat16 inputs (weights 1, the rest 0), exact whatever the
+    # order of the sum, so its rounding to bfloat16 alone decides the result: ties to even, overflow to
+    # infinity, and a NaN input makes its row NaN, as in torch's float32 product rounded to bfloat16.
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 16, generator=generator) * torch.logspace(-3, 3, 16)
+    b = torch.randn(50, 16, generator=generator) * 1e-3
+    a[0, :3] = torch.tensor([1.0, 1.0, 3.0e38])
+    b[0, :3] = torch.tensor([2 ** -8, 3 * 2 ** -8, 3.0e38])  # a tie rounding down to even, one up; overflow
+    a[1, 5] = float("nan")
+    x = torch.cat([a, b], dim=1).to(torch.bfloat16)  # [50, 32]: inputs a_j, then b_j
+    weight = torch.zeros(16, 32, dtype=torch.bfloat16)
+    weight[torch.arange(16), torch.arange(16)] = 1
+    weight[torch.arange(16), torch.arange(16) + 16] = 1
+    expected = F.linear(x.float(), weight.float()).to(torch.bfloat16)
+    out = linear(x, panel_weight(weight), None)
+    assert torch.equal(out.isnan(), expected.isnan()) and out[1].isnan().all() and not out[2:].isnan().any()
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+    assert out[0, 0] == 1.0 and out[0, 1] == 1.015625 and out[0, 2] == float("inf")
+
+
+@needs_panels
 def test_panel_products_take_any_leading_shape_and_no_rows_and_refuse_a_wrong_width():
     weight = torch.randn(32, 24)
     x = torch.randn(2, 3, 24)
@@ -279,7 +316,7 @@ def test_panel_products_take_any_leading_shape_and_no_rows_and_refuse_a_wrong_wi
     assert linear(x[0, :0], panel_weight(weight), None).shape == (0, 32)
     with pytest.raises(RuntimeError, match="features"):
         linear(torch.randn(3, 16), panel_weight(weight), None)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="the same"):
         linear(torch.randn(3, 24).to(torch.bfloat16), panel_weight(weight), None)
 
 

@@ -1,7 +1,8 @@
 // Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
 // several, each with its own allocation and thread fork. And, where the CPU has AVX512-BF16, bfloat16
 // products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h); on an
-// AVX2 CPU without AVX-512, float32 products over weights laid out in panels (panel_linear.h). Built at
+// AVX2 CPU without AVX-512, float32 products over float32 or bfloat16 weights laid out in panels
+// (panel_linear.h). Built at
 // first use by llmq/model/cpu_kernels.py, which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
 //
 // Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
@@ -657,7 +658,7 @@ torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& ti
 #endif
 }
 
-// ---- float32 products over weights laid out in panels --------------------------------------------
+// ---- float32 products over weights laid out in panels (float32 or bfloat16) --------------------------------------------
 
 // What runs panel_linear here: "avx2" (its fused multiply-adds), or "" where this build does not have it
 // (no AVX2, or AVX-512, where float32 weights stay oneDNN's: panel_linear.h says why).
@@ -779,7 +780,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx2, or none");
-  m.def("panel_linear", &panel_linear, "x @ W.T (+ bias) in float32, W laid out in panels",
+  m.def("panel_linear", &panel_linear, "x @ W.T (+ bias), float32 sums, W (float32 or bfloat16) laid out in panels",
         py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,

@@ -1,11 +1,14 @@
 // float32 matrix products for weights laid out in panels once at load (llmq/model/cpu_prepack.py's
-// panel_weight), on AVX2's fused multiply-adds, included by cpu_kernels.cpp.
+// panel_weight), on AVX2's fused multiply-adds, included by cpu_kernels.cpp: float32 weights, or bfloat16
+// ones widened as they are read (an AVX2 CPU has no bfloat16 arithmetic, and torch's bfloat16 product
+// there is far slower than its float32 one; the weight read from memory is still half the bytes).
 //
 // Why a kernel of our own: a decode step's products have few rows, so what they should cost is reading
 // the weight once from memory. oneDNN's float32 product over its prepacked weight reads it well below the
-// memory's speed at those shapes on an AVX2 CPU (benchmarks/product_shapes.py prints both). Here each
-// thread streams its own contiguous run of panels, every weight element is loaded once per group of rows,
-// and a call costs little more than its panels.
+// memory's speed at those shapes on an AVX2 CPU, and was slower than this one at every row count measured
+// there, prefill's included (benchmarks/product_shapes.py prints both). Here each thread streams its own
+// contiguous run of panels, every weight element is loaded once per group of rows, and a call costs little
+// more than its panels.
 //
 // Layout: weight [N, K] -> panels [N / 16, K, 16]: panel p holds output columns 16p .. 16p + 15, one row of
 // 16 per input. A group of kRows input rows times one panel keeps its kRows x 16 sums in registers (two
@@ -22,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace llmq_panels {
 
@@ -33,10 +38,38 @@ constexpr int kRows = 6;
 // rows passes over them (the input rows of a group come from L1/L2 as well).
 constexpr int64_t kRunBytes = 192 * 1024;
 
-// Rows (at most kRows) rows of a (row stride lda) times one panel [K, 16] -> out's 16 columns of those
-// rows (row stride ldo), plus bias (16 values) where given.
-template <int Rows>
-inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t k, const float* bias, float* out,
+// Eight of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Eight float32 sums rounded to bfloat16 bits in the low halves of their lanes: to nearest, ties to even,
+// NaN to the quiet NaN, as c10::BFloat16 rounds.
+inline __m256i bfloat16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// A row's 16 outputs of a panel: columns 0-7 in lo, 8-15 in hi.
+inline void store16(float* out, __m256 lo, __m256 hi) {
+  _mm256_storeu_ps(out, lo);
+  _mm256_storeu_ps(out + 8, hi);
+}
+inline void store16(uint16_t* out, __m256 lo, __m256 hi) {
+  // packus interleaves the two by 128-bit lane (lo 0-3, hi 0-3, lo 4-7, hi 4-7); the permute puts them in order.
+  const __m256i packed = _mm256_packus_epi32(bfloat16_bits(lo), bfloat16_bits(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+// Rows (at most kRows) rows of a (float32, row stride lda) times one panel [K, 16] of W (float32 or
+// bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given.
+template <int Rows, typename W, typename O>
+inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, const float* bias, O* out,
                        int64_t ldo) {
   // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
@@ -44,8 +77,8 @@ inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t 
   const float* a0 = a;
   const float* a3 = a + 3 * lda;
   for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanelColumns);
-    const __m256 w1 = _mm256_loadu_ps(panel + i * kPanelColumns + 8);
+    const __m256 w0 = load8(panel + i * kPanelColumns);
+    const __m256 w1 = load8(panel + i * kPanelColumns + 8);
 #define LLMQ_PANEL_ROW(R, BASE, OFFSET)                          \
   if constexpr (Rows > R) {                                      \
     const __m256 x = _mm256_broadcast_ss(BASE + OFFSET + i);     \
@@ -63,42 +96,61 @@ inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t 
   const __m256 b0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
   const __m256 sums[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_ps(out + r * ldo, _mm256_add_ps(sums[r][0], b0));
-    _mm256_storeu_ps(out + r * ldo + 8, _mm256_add_ps(sums[r][1], b1));
+  for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm256_add_ps(sums[r][0], b0), _mm256_add_ps(sums[r][1], b1));
+}
+
+// Rows of a times one panel into out, `rows` of them kRows at a time.
+template <typename W, typename O>
+inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
+                             int64_t ldo) {
+  for (int64_t r = 0; r < rows; r += kRows) {
+    const float* rows_a = a + r * k;
+    O* rows_out = out + r * ldo;
+#define LLMQ_PANEL_ROWS(R)                                       \
+  panel_rows<R>(rows_a, k, panel, k, bias, rows_out, ldo); \
+  break;
+    switch (std::min<int64_t>(kRows, rows - r)) {
+      case 1: LLMQ_PANEL_ROWS(1)
+      case 2: LLMQ_PANEL_ROWS(2)
+      case 3: LLMQ_PANEL_ROWS(3)
+      case 4: LLMQ_PANEL_ROWS(4)
+      case 5: LLMQ_PANEL_ROWS(5)
+      default: LLMQ_PANEL_ROWS(6)
+    }
+#undef LLMQ_PANEL_ROWS
   }
 }
 
-// a [M, K] (contiguous) @ the panels -> out [M, N] (contiguous), + bias [N] where given.
-inline void multiply(const float* a, int64_t m, int64_t k, const float* panels, int64_t num_panels,
-                     const float* bias, float* out) {
-  const int64_t n = num_panels * kPanelColumns, panel_floats = k * kPanelColumns;
-  const int64_t run = std::max<int64_t>(1, kRunBytes / (panel_floats * 4));
+// A bfloat16 panel [K, 16] widened to float32 into `to`.
+inline void widen(const uint16_t* panel, int64_t k, float* to) {
+  for (int64_t i = 0; i < k * kPanelColumns; i += 8) _mm256_storeu_ps(to + i, load8(panel + i));
+}
+
+// a [M, K] (float32, contiguous) @ the panels -> out [M, N] (contiguous), + bias [N] where given.
+template <typename W, typename O>
+void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias, O* out) {
+  const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
+  const int64_t run = std::max<int64_t>(1, kRunBytes / (panel_elements * static_cast<int64_t>(sizeof(W))));
   // A group of rows passes over a run of panels: as many rows as keep their inputs beside the run in L2.
   const int64_t group = std::max<int64_t>(kRows, (kRunBytes / (k * 4)) / kRows * kRows);
+  // A bfloat16 panel that more than one block of rows reads is widened once, into a float32 copy they
+  // all read: widening as it is read costs each block about as much again as its multiply-adds.
+  constexpr bool kHalfWeights = std::is_same_v<W, uint16_t>;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(kHalfWeights && m > kRows ? panel_elements : 0);
     for (int64_t first = begin; first < end; first += run) {
       const int64_t last = std::min(end, first + run);
       for (int64_t row0 = 0; row0 < m; row0 += group) {
-        const int64_t rows_in_group = std::min(group, m - row0);
+        const int64_t rows = std::min(group, m - row0);
         for (int64_t p = first; p < last; ++p) {
-          const float* panel = panels + p * panel_floats;
+          const W* panel = panels + p * panel_elements;
           const float* panel_bias = bias != nullptr ? bias + p * kPanelColumns : nullptr;
-          for (int64_t r = 0; r < rows_in_group; r += kRows) {
-            const float* rows_a = a + (row0 + r) * k;
-            float* rows_out = out + (row0 + r) * n + p * kPanelColumns;
-#define LLMQ_PANEL_ROWS(R)                                            \
-  panel_rows<R>(rows_a, k, panel, k, panel_bias, rows_out, n); \
-  break;
-            switch (std::min<int64_t>(kRows, rows_in_group - r)) {
-              case 1: LLMQ_PANEL_ROWS(1)
-              case 2: LLMQ_PANEL_ROWS(2)
-              case 3: LLMQ_PANEL_ROWS(3)
-              case 4: LLMQ_PANEL_ROWS(4)
-              case 5: LLMQ_PANEL_ROWS(5)
-              default: LLMQ_PANEL_ROWS(6)
-            }
-#undef LLMQ_PANEL_ROWS
+          O* panel_out = out + row0 * n + p * kPanelColumns;
+          if (kHalfWeights && rows > kRows) {
+            widen(reinterpret_cast<const uint16_t*>(panel), k, widened.data());
+            panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n);
+          } else {
+            panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n);
           }
         }
       }
@@ -106,28 +158,33 @@ inline void multiply(const float* a, int64_t m, int64_t k, const float* panels, 
   });
 }
 
-// x [..., K] float32 @ W.T (+ bias [N]) -> [..., N] float32, for W laid out in panels [N/16, K, 16]
-// (cpu_prepack.panel_weight).
+// x [..., K] @ W.T (+ bias [N]) -> [..., N], for W laid out in panels [N/16, K, 16] (cpu_prepack.panel_weight):
+// float32 throughout, or bfloat16 input, weight and output with the sums in float32, rounded once.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "panel_linear: float32 input and panels");
+  const auto dtype = panels.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && input.scalar_type() == dtype,
+              "panel_linear: float32 or bfloat16 input and panels, the same");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && panels.is_contiguous(),
               "panel_linear: panels must be [N/16, K, 16], contiguous");
   const int64_t k = panels.size(1), num_panels = panels.size(0), n = num_panels * kPanelColumns;
   TORCH_CHECK(input.size(-1) == k, "panel_linear: input has ", input.size(-1), " features, the weight ", k);
-  const at::Tensor x = input.reshape({-1, k}).contiguous();
+  const at::Tensor x = input.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16 rows widened once
   const int64_t m = x.size(0);
-  at::Tensor bias_c;
+  at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "panel_linear: bias has ", bias->numel(), " elements, the weight ", n, " columns");
-    bias_c = bias->to(at::kFloat).contiguous();
+    bias_f = bias->to(at::kFloat).contiguous();
   }
   auto out_shape = input.sizes().vec();
   out_shape.back() = n;
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m > 0) {
-    multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels,
-             bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, out.data_ptr<float>());
+  at::Tensor out = at::empty({m, n}, input.options());
+  if (m == 0) return out.view(out_shape);
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) {
+    multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels, bias_ptr, out.data_ptr<float>());
+  } else {
+    multiply(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, bias_ptr,
+             reinterpret_cast<uint16_t*>(out.data_ptr()));
   }
   return out.view(out_shape);
 }
