@@ -136,7 +136,9 @@ def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: i
         layouts.append(panel_weight(weight))
     if kernels is not None and kernels.tiled_products and tiles_fit(weight):
         layouts.append(tile_weight(weight))
-    products = [lambda: torch.mm(a, b)] + [lambda w=w: linear(a, w, None) for w in layouts]
+    products = [lambda w=w: linear(a, w, None) for w in layouts]
+    if dtype == torch.float32 or prepack_supported(dtype) or not products:  # else torch's is emulated, far slower
+        products.append(lambda: torch.mm(a, b))
     best = float("inf")
     for product in products:
         product()
