@@ -39,7 +39,7 @@ class TorchKernels:
 
     name = "torch"
     tiled_products: str | None = None  # bfloat16 products over weights in tiles: the fused kernels' (NativeKernels)
-    panel_products: str | None = None  # float32 products over weights in panels: the same
+    panel_products: str | None = None  # products over float32 or bfloat16 weights in panels: the same
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

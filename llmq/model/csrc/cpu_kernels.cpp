@@ -2,8 +2,8 @@
 // several, each with its own allocation and thread fork. And, where the CPU has AVX512-BF16, bfloat16
 // products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h); on an
 // AVX2 CPU without AVX-512, float32 products over float32 or bfloat16 weights laid out in panels
-// (panel_linear.h). Built at
-// first use by llmq/model/cpu_kernels.py, which also holds the plain-PyTorch twin of every function here (the tests hold the two together).
+// (panel_linear.h). Built at first use by llmq/model/cpu_kernels.py, which also holds the plain-PyTorch
+// twin of every function here (the tests hold the two together).
 //
 // Arithmetic is in float32 whatever the tensors' dtype; bfloat16 and float16 are rounded on the way out,
 // where the twin rounds after every operator, and also where that rounding is the model's own (RMSNorm's
@@ -658,7 +658,7 @@ torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& ti
 #endif
 }
 
-// ---- float32 products over weights laid out in panels (float32 or bfloat16) --------------------------------------------
+// ---- float32 products over weights laid out in panels (float32 or bfloat16) --------------------
 
 // What runs panel_linear here: "avx2" (its fused multiply-adds), or "" where this build does not have it
 // (no AVX2, or AVX-512, where float32 weights stay oneDNN's: panel_linear.h says why).
@@ -694,8 +694,8 @@ struct LayerWeights {
   double scale;
 };
 
-// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, panel_linear for a
-// float32 one in panels, else tiled_linear.
+// llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, panel_linear for one
+// in panels, else tiled_linear.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   if (weight.is_mkldnn()) {
     static auto onednn = c10::Dispatcher::singleton()

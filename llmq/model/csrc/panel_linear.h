@@ -75,7 +75,7 @@ inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, c
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* a0 = a;
-  const float* a3 = a + 3 * lda;
+  const float* a3 = Rows > 3 ? a + 3 * lda : a;  // rows 3-5 from here
   for (int64_t i = 0; i < k; ++i) {
     const __m256 w0 = load8(panel + i * kPanelColumns);
     const __m256 w1 = load8(panel + i * kPanelColumns + 8);
@@ -146,12 +146,14 @@ void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num
           const W* panel = panels + p * panel_elements;
           const float* panel_bias = bias != nullptr ? bias + p * kPanelColumns : nullptr;
           O* panel_out = out + row0 * n + p * kPanelColumns;
-          if (kHalfWeights && rows > kRows) {
-            widen(reinterpret_cast<const uint16_t*>(panel), k, widened.data());
-            panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n);
-          } else {
-            panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n);
+          if constexpr (kHalfWeights) {
+            if (rows > kRows) {
+              widen(panel, k, widened.data());
+              panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n);
+              continue;
+            }
           }
+          panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n);
         }
       }
     }
