@@ -146,9 +146,12 @@ class ModelRunner:
         self.timing = StepTiming()
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
         self._previous_index: dict[int, int] = {}  # and each sampler's row in them, by seq_id
-        packed = (f"; {self.num_prepacked} weight matrices prepacked ({self.num_tiled} in tiles for "
-                  f"{self.kernels.tiled_products}, {self.num_paneled} in panels for {self.kernels.panel_products}, "
-                  f"{self.num_prepacked - self.num_tiled - self.num_paneled} for oneDNN)" if self.num_prepacked else "")
+        layouts = [(self.num_tiled, f"in tiles for {self.kernels.tiled_products}"),
+                   (self.num_paneled, f"in panels for {self.kernels.panel_products}"),
+                   (self.num_prepacked - self.num_tiled - self.num_paneled, "for oneDNN")]
+        packed = (f"; {self.num_prepacked} weight matrices prepacked ("
+                  + ", ".join(f"{count} {layout}" for count, layout in layouts if count) + ")"
+                  if self.num_prepacked else "")
         log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
                  self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
                  self.attention_backend, torch.get_num_threads())
