@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,8 +41,15 @@ def product_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "lm_head": (hidden, config["vocab_size"])}
 
 
+def torch_multiplies_natively(dtype: torch.dtype) -> bool:
+    """Whether torch's own product (F.linear over the dense weight) runs on this CPU's instructions for
+    `dtype`; else it is emulated, far slower than anything llmq would run (bfloat16 on an AVX2 CPU)."""
+    return dtype == torch.float32 or prepack_supported(dtype)
+
+
 def layouts(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every layout this CPU multiplies `weight` [N, K] in, by name."""
+    """Every layout this CPU multiplies `weight` [N, K] in, by name; llama.py's `linear` runs each
+    ("F.linear": the dense weight itself)."""
     out = {"F.linear": weight}
     if prepack_supported(weight.dtype):
         out["oneDNN"] = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
@@ -57,15 +63,13 @@ def layouts(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def best_seconds(x: torch.Tensor, weights: list[torch.Tensor], repeats: int) -> float:
     """The best time over `repeats` of one pass over every copy, per copy."""
-    product = F.linear if not weights[0].is_mkldnn and weights[0].dim() == 2 else None
-    run = (lambda w: product(x, w)) if product is not None else (lambda w: linear(x, w, None))
     for w in weights:
-        run(w)
+        linear(x, w, None)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         for w in weights:
-            run(w)
+            linear(x, w, None)
         best = min(best, (time.perf_counter() - started) / len(weights))
     return best
 
@@ -94,8 +98,8 @@ def main() -> None:
             x = torch.randn(rows, k, generator=generator).to(dtype)
             cells = []
             for layout in names:
-                if layout == "F.linear" and dtype != torch.float32 and not prepack_supported(dtype):
-                    cells.append("(emulated: skipped)")  # torch's bfloat16 product without the CPU's own
+                if layout == "F.linear" and not torch_multiplies_natively(dtype):
+                    cells.append("(emulated: skipped)")
                     continue
                 seconds = best_seconds(x, [p[layout] for p in packed], 2 if rows > 256 else args.repeats)
                 cells.append(f"{seconds * 1e6:,.0f} ({2 * rows * k * n / seconds / 1e9:.0f})")

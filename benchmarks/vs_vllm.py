@@ -17,8 +17,8 @@ worker process of its own venv (benchmarks/vllm_worker.py, prefix caching off, O
 same 2 cores); both load once, warm up on a few requests, then run the whole workload alternately,
 llmq, vLLM, llmq, vLLM, ..., every round with fresh prompt ids. Prints each round's useful tokens/s,
 each adjacent pair's ratio llmq/vLLM and the medians, MFU against the 2048^2 matmul peak measured in
-this run in that dtype (the fastest of torch.mm and the products llmq runs over prepacked weights here,
-as for every matmul rate below), and the machine's limit for the workload: the step-time floor
+this run in that dtype (the fastest of torch's own product and the products llmq runs over prepacked
+weights here, as for every matmul rate below), and the machine's limit for the workload: the step-time floor
 max(matmul FLOPs / the measured decode-shaped matmul rate, weight bytes / the measured copy bandwidth)
 for each decode step's batch, summed over the workload, plus its prefill at the peak rate (the LM head
 for each prompt's last token only). While llmq runs, vLLM's processes are stopped (SIGSTOP): idle, they
@@ -49,12 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bigger_models import model_1b_dir  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, workload  # noqa: E402
+from benchmarks.product_shapes import layouts, torch_multiplies_natively  # noqa: E402
 from llmq.bootstrap import llmq_home  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
-from llmq.model.cpu_kernels import native_kernels  # noqa: E402
-from llmq.model.cpu_prepack import (ROWS_HINT, panel_weight, panels_fit, prepack_supported, tile_weight,  # noqa: E402
-                                    tiles_fit)
 from llmq.model.llama import linear  # noqa: E402
 from llmq.sampling_params import SamplingParams  # noqa: E402
 
@@ -124,21 +122,14 @@ def pair_ratios(llmq_rates: list[float], vllm_rates: list[float]) -> list[float]
 # ---- the machine, measured in this run -----------------------------------------------------
 
 def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: int = 10) -> float:
-    """FLOP/s of the fastest of torch.mm and each product llmq runs here over a prepacked weight: oneDNN's,
-    and, where the fused kernels have them, panel_linear's (float32) and tiled_linear's (bfloat16)."""
-    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
-    weight = b.t().contiguous()
-    layouts = []
-    if prepack_supported(dtype):
-        layouts.append(torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT))
-    kernels = native_kernels()
-    if kernels is not None and kernels.panel_products and panels_fit(weight):
-        layouts.append(panel_weight(weight))
-    if kernels is not None and kernels.tiled_products and tiles_fit(weight):
-        layouts.append(tile_weight(weight))
-    products = [lambda w=w: linear(a, w, None) for w in layouts]
-    if dtype == torch.float32 or prepack_supported(dtype) or not products:  # else torch's is emulated, far slower
-        products.append(lambda: torch.mm(a, b))
+    """FLOP/s of the fastest of torch's own product and each product llmq runs here over a prepacked
+    weight (product_shapes.layouts: oneDNN's, and where the fused kernels have them, panel_linear's and
+    tiled_linear's). torch's own counts only where it is not emulated, or where it is all there is."""
+    a = torch.randn(rows, inner, dtype=dtype)
+    packed = layouts(torch.randn(cols, inner, dtype=dtype))
+    if not torch_multiplies_natively(dtype) and len(packed) > 1:
+        del packed["F.linear"]
+    products = [lambda w=w: linear(a, w, None) for w in packed.values()]
     best = float("inf")
     for product in products:
         product()

@@ -675,7 +675,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   check_cpu(x, "x");
   return llmq_panels::linear(x, panels, bias);
 #else
-  TORCH_CHECK(false, "panel_linear: this build has no float32 panel products (they are built for AVX2 CPUs without AVX-512)");
+  TORCH_CHECK(false, "panel_linear: this build has no panel products (they are built for AVX2 CPUs without AVX-512)");
 #endif
 }
 
