@@ -37,6 +37,7 @@ constexpr int kRows = 6;
 // A thread's panels are taken in runs of at most this many bytes, kept in its L2 while every group of
 // rows passes over them (the input rows of a group come from L1/L2 as well).
 constexpr int64_t kRunBytes = 192 * 1024;
+constexpr int64_t kCacheLine = 64;
 
 // Eight of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -68,17 +69,21 @@ inline void store16(uint16_t* out, __m256 lo, __m256 hi) {
 
 // Rows (at most kRows) rows of a (float32, row stride lda) times one panel [K, 16] of W (float32 or
 // bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given.
+// Where `ahead` is given, the pass also asks for that many cache lines from there (the next panel) as
+// it goes, one a step, so that they come from memory while this panel is multiplied.
 template <int Rows, typename W, typename O>
 inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, const float* bias, O* out,
-                       int64_t ldo) {
+                       int64_t ldo, const char* ahead, int64_t ahead_lines) {
   // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* a0 = a;
   const float* a3 = Rows > 3 ? a + 3 * lda : a;  // rows 3-5 from here
+  if (ahead == nullptr) ahead_lines = 0;
   for (int64_t i = 0; i < k; ++i) {
     const __m256 w0 = load8(panel + i * kPanelColumns);
     const __m256 w1 = load8(panel + i * kPanelColumns + 8);
+    if (i < ahead_lines) _mm_prefetch(ahead + i * kCacheLine, _MM_HINT_T0);
 #define LLMQ_PANEL_ROW(R, BASE, OFFSET)                          \
   if constexpr (Rows > R) {                                      \
     const __m256 x = _mm256_broadcast_ss(BASE + OFFSET + i);     \
@@ -99,15 +104,18 @@ inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, c
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm256_add_ps(sums[r][0], b0), _mm256_add_ps(sums[r][1], b1));
 }
 
-// Rows of a times one panel into out, `rows` of them kRows at a time.
+// Rows of a times one panel into out, `rows` of them kRows at a time; the first pass also fetches the
+// ahead_bytes at `ahead` (nullptr: none).
 template <typename W, typename O>
 inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
-                             int64_t ldo) {
+                             int64_t ldo, const char* ahead, int64_t ahead_bytes) {
+  const int64_t ahead_lines = (ahead_bytes + kCacheLine - 1) / kCacheLine;
   for (int64_t r = 0; r < rows; r += kRows) {
     const float* rows_a = a + r * k;
     O* rows_out = out + r * ldo;
-#define LLMQ_PANEL_ROWS(R)                                       \
-  panel_rows<R>(rows_a, k, panel, k, bias, rows_out, ldo); \
+    const char* fetch = r == 0 ? ahead : nullptr;
+#define LLMQ_PANEL_ROWS(R)                                                       \
+  panel_rows<R>(rows_a, k, panel, k, bias, rows_out, ldo, fetch, ahead_lines); \
   break;
     switch (std::min<int64_t>(kRows, rows - r)) {
       case 1: LLMQ_PANEL_ROWS(1)
@@ -130,12 +138,17 @@ inline void widen(const uint16_t* panel, int64_t k, float* to) {
 template <typename W, typename O>
 void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias, O* out) {
   const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
-  const int64_t run = std::max<int64_t>(1, kRunBytes / (panel_elements * static_cast<int64_t>(sizeof(W))));
+  const int64_t panel_bytes = panel_elements * static_cast<int64_t>(sizeof(W));
+  const int64_t run = std::max<int64_t>(1, kRunBytes / panel_bytes);
   // A group of rows passes over a run of panels: as many rows as keep their inputs beside the run in L2.
   const int64_t group = std::max<int64_t>(kRows, (kRunBytes / (k * 4)) / kRows * kRows);
   // A bfloat16 panel that more than one block of rows reads is widened once, into a float32 copy they
   // all read: widening as it is read costs each block about as much again as its multiply-adds.
   constexpr bool kHalfWeights = std::is_same_v<W, uint16_t>;
+  // Each panel's first pass fetches the next panel of the thread's share while it multiplies, so that
+  // memory and arithmetic overlap: the hardware's prefetcher only follows the stream it is in. Not with
+  // one or two float32 rows, a pass that only streams: there it measured slower.
+  const bool fetch_ahead = m >= 3 || kHalfWeights;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> widened(kHalfWeights && m > kRows ? panel_elements : 0);
     for (int64_t first = begin; first < end; first += run) {
@@ -146,14 +159,16 @@ void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num
           const W* panel = panels + p * panel_elements;
           const float* panel_bias = bias != nullptr ? bias + p * kPanelColumns : nullptr;
           O* panel_out = out + row0 * n + p * kPanelColumns;
+          const char* ahead = fetch_ahead && p + 1 < end ? reinterpret_cast<const char*>(panel + panel_elements)
+                                                         : nullptr;
           if constexpr (kHalfWeights) {
             if (rows > kRows) {
               widen(panel, k, widened.data());
-              panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n);
+              panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n, ahead, panel_bytes);
               continue;
             }
           }
-          panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n);
+          panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n, ahead, panel_bytes);
         }
       }
     }
