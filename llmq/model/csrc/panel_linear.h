@@ -67,18 +67,18 @@ inline void store16(uint16_t* out, __m256 lo, __m256 hi) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
 }
 
-// Rows (at most kRows) rows of a (float32, row stride lda) times one panel [K, 16] of W (float32 or
+// Rows (at most kRows) rows of a (float32, [Rows, K] contiguous) times one panel [K, 16] of W (float32 or
 // bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given.
-// Where `ahead` is given, the pass also asks for that many cache lines from there (the next panel) as
+// Where `ahead` is given, the pass also asks for ahead_lines cache lines from there (the next panel) as
 // it goes, one a step, so that they come from memory while this panel is multiplied.
 template <int Rows, typename W, typename O>
-inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, const float* bias, O* out,
+inline void panel_rows(const float* a, const W* panel, int64_t k, const float* bias, O* out,
                        int64_t ldo, const char* ahead, int64_t ahead_lines) {
   // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* a0 = a;
-  const float* a3 = Rows > 3 ? a + 3 * lda : a;  // rows 3-5 from here
+  const float* a3 = Rows > 3 ? a + 3 * k : a;  // rows 3-5 from here
   if (ahead == nullptr) ahead_lines = 0;
   for (int64_t i = 0; i < k; ++i) {
     const __m256 w0 = load8(panel + i * kPanelColumns);
@@ -91,11 +91,11 @@ inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, c
     c##R##1 = _mm256_fmadd_ps(x, w1, c##R##1);                   \
   }
     LLMQ_PANEL_ROW(0, a0, 0)
-    LLMQ_PANEL_ROW(1, a0, lda)
-    LLMQ_PANEL_ROW(2, a0, 2 * lda)
+    LLMQ_PANEL_ROW(1, a0, k)
+    LLMQ_PANEL_ROW(2, a0, 2 * k)
     LLMQ_PANEL_ROW(3, a3, 0)
-    LLMQ_PANEL_ROW(4, a3, lda)
-    LLMQ_PANEL_ROW(5, a3, 2 * lda)
+    LLMQ_PANEL_ROW(4, a3, k)
+    LLMQ_PANEL_ROW(5, a3, 2 * k)
 #undef LLMQ_PANEL_ROW
   }
   const __m256 b0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -115,7 +115,7 @@ inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* p
     O* rows_out = out + r * ldo;
     const char* fetch = r == 0 ? ahead : nullptr;
 #define LLMQ_PANEL_ROWS(R)                                                       \
-  panel_rows<R>(rows_a, k, panel, k, bias, rows_out, ldo, fetch, ahead_lines); \
+  panel_rows<R>(rows_a, panel, k, bias, rows_out, ldo, fetch, ahead_lines); \
   break;
     switch (std::min<int64_t>(kRows, rows - r)) {
       case 1: LLMQ_PANEL_ROWS(1)
