@@ -3,6 +3,8 @@
 float32 on the device keeps greedy parity exact against transformers; bfloat16 (the CUDA default) is
 checked for running cleanly and freeing its blocks. CUDA graphs and the Triton kernel must generate
 what eager steps and the torch path do, and sampling must not wait for the device."""
+import gc
+
 import pytest
 import torch
 
@@ -13,6 +15,15 @@ from llmq.model.sampler import SampledStep, sample_tokens
 from llmq.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _release_device_memory():
+    """Each test's engines gone before the next one plans its memory from what is allocated."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
 
 PROMPTS = ["Once upon a time", "The little dog ran", "Lily wanted to play with", "One day, Tom and his mom"]
 

@@ -8,6 +8,8 @@ QUANTIZATION_METHODS = ("int8", "int4")
 # How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed,
 # the C++ kernel ("cpu") on a CPU where the CPU kernels are in use, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+# The KV cache on a CPU when kv_cache_bytes is not given: the machine's memory is not the engine's alone.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def _is_int(value) -> bool:
@@ -29,8 +31,9 @@ class ResumePoint:
 class EngineConfig:
     """Everything the engine needs to start. `model` is a Hugging Face model folder.
 
-    KV cache size: on CUDA, `gpu_memory_utilization` of device memory minus weights and the measured
-    activation peak; on CPU, `kv_cache_bytes` (capped at what max_num_seqs full-length sequences need).
+    KV cache size: `kv_cache_bytes` where given, on either device; else on CUDA `gpu_memory_utilization`
+    of device memory minus weights and the measured activation peak, on CPU DEFAULT_CPU_KV_CACHE_BYTES.
+    Either way capped at what max_num_seqs full-length sequences can use.
     """
 
     model: str
@@ -40,7 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU intra-op threads (per rank); None: torch's default, shared among ranks
@@ -71,7 +74,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
                      "tensor_parallel_size", "pipeline_parallel_size", "quantization_group_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if (value is not None or name != "kv_cache_bytes") and (not _is_int(value) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")

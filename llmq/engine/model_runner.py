@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llmq.engine.config import EngineConfig
+from llmq.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmq.engine.decode_graphs import DecodeGraphs
 from llmq.engine.dtype import checkpoint_dtype, choose_dtype, cpu_native_bf16
 from llmq.engine.parallel_group import REPORT, STOP, ParallelGroup, device_of
@@ -62,7 +62,7 @@ class MemoryBudget:
     @property
     def blocks_gained(self) -> int:
         """KV blocks the quantization's saving buys: real on CUDA, where the cache takes what the
-        weights leave; on CPU (a fixed kv_cache_bytes) what the saved bytes would buy."""
+        weights leave; with a fixed kv_cache_bytes (a CPU's) what the saved bytes would buy."""
         return max(0, self.unquantized_weights_bytes - self.weights_bytes) // self.block_bytes
 
     def describe(self) -> str:
@@ -210,16 +210,21 @@ class ModelRunner:
         footprint = weight_footprint(self.model, self.dtype)
         weights = footprint.bytes
         block_bytes = 2 * self.plan.stage.num_layers * self.block_size * local.kv_size * element
+        useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) * block_bytes
         if self.device.type == "cuda":
             activations = self._measure_activation_peak()
             total = torch.cuda.get_device_properties(self.device).total_memory
-            kv_bytes = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - activations
+            room = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - activations
+            if cfg.kv_cache_bytes is not None and cfg.kv_cache_bytes > room:
+                raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} does not fit: gpu_memory_utilization="
+                                 f"{cfg.gpu_memory_utilization} of {self.device} leaves {max(0, room) / _MIB:.0f} MiB "
+                                 f"after the weights and activations")
+            kv_bytes = min(room if cfg.kv_cache_bytes is None else cfg.kv_cache_bytes, useful)
         else:
             # Largest live tensors of a step: the widest projections over the token budget, and logits.
             width = max(local.q_size + 2 * local.kv_size, 2 * local.intermediate_size) + 2 * mc.hidden_size
             activations = (cfg.max_num_batched_tokens * width + cfg.max_num_seqs * mc.vocab_size * 2) * 4
-            useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) * block_bytes
-            kv_bytes = min(cfg.kv_cache_bytes, useful)
+            kv_bytes = min(cfg.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES, useful)
         num_blocks = max(0, kv_bytes // block_bytes)
         if self.group:  # every rank holds the same blocks: as many as the fullest rank has room for
             num_blocks = self.group.agree_min(num_blocks)
