@@ -52,7 +52,7 @@ def test_cuda_float32_greedy_parity_and_batch_invariance(stories_dir, hf_greedy)
 
 
 def test_cuda_bfloat16_runs_and_frees_blocks(stories_dir):
-    engine = LLMEngine(EngineConfig(model=str(stories_dir), device="cuda"))
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), device="cuda", dtype="bfloat16"))
     assert engine.model_runner.dtype == torch.bfloat16
     assert engine.model_runner.budget.activation_bytes > 0
     for i, prompt in enumerate(PROMPTS):
@@ -87,7 +87,7 @@ def test_cuda_graphs_generate_what_eager_steps_do(stories_dir, hf_greedy, backen
 
 
 def test_cuda_bfloat16_graphs_and_kernel_run_and_free_blocks(stories_dir):
-    engine = LLMEngine(EngineConfig(model=str(stories_dir), device="cuda", max_num_seqs=32))
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), device="cuda", dtype="bfloat16", max_num_seqs=32))
     assert engine.model_runner.attention_backend == "triton" and engine.model_runner.decode_graphs is not None
     for i in range(20):
         engine.add_request(f"r{i}", PROMPTS[i % 4], SamplingParams(temperature=0.8, seed=i, max_tokens=24 + i))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmq.engine.scheduler import ScheduledBatch
-from llmq.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, PrefillSpan, block_rows
+from llmq.model.attention import AttentionMetadata, DecodeGroup, PagedDecodes, PagedPrefills, PrefillSpan, block_rows
 from llmq.model.device_copy import to_device
 
 
@@ -121,10 +121,18 @@ class StepInput:
         else:
             groups = [DecodeGroup.over(g.token_start, tensor(g.block_tables), tensor(g.lengths), num_kv_heads,
                                        num_blocks, block_size) for g in self.decodes]
+        kernel_prefills = None
+        if paged_kernel == "triton" and prefills:
+            kernel_prefills = PagedPrefills(
+                tensor(_padded([s.context_blocks for s in prefills]), torch.int32),
+                *(tensor([getattr(s, name) for s in prefills], torch.int32)
+                  for name in ("token_start", "num_tokens", "num_cached")),
+                max(s.num_tokens for s in prefills))
+            prefills = []
         spans = [PrefillSpan(s.token_start, s.num_tokens, s.num_cached,
                              block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks) if s.num_cached else None)
                  for s in prefills]
-        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes)
+        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes, kernel_prefills)
         return tensor(self.input_ids), tensor(self.positions), meta
 
     def read_deferred_ids(self, input_ids: torch.Tensor, previous_tokens: torch.Tensor | None) -> None:
@@ -136,8 +144,7 @@ class StepInput:
 
     def decode_block_tables(self) -> tuple[list[list[int]], list[int]]:
         """Every decode's block table, padded with block 0 to the widest, and context length, in row order."""
-        width = max(len(g.block_tables[0]) for g in self.decodes)
-        tables = [t + [0] * (width - len(t)) for g in self.decodes for t in g.block_tables]
+        tables = _padded([t for g in self.decodes for t in g.block_tables])
         return tables, [n for g in self.decodes for n in g.lengths]
 
     def query_block_tables(self, longest_prompt: int) -> tuple[list[list[int]], list[int], list[int] | None]:
@@ -160,8 +167,7 @@ class StepInput:
                 lengths.extend([0] * span.num_tokens)
         if not tables:
             return [], [], None
-        width = max(len(t) for t in tables)
-        return [t + [0] * (width - len(t)) for t in tables], lengths, query_tables
+        return _padded(tables), lengths, query_tables
 
     @property
     def is_decode_only(self) -> bool:
@@ -180,6 +186,12 @@ def micro_batches(batch: ScheduledBatch, block_size: int, count: int) -> list[St
         loads[lightest] += batch.num_new_tokens[r]
     return [StepInput.from_batch(batch, block_size, sorted(rows), with_block_copies=i == 0)
             for i, rows in enumerate(members)]
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables padded with block 0 to the widest."""
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
 
 
 def _decode_group(batch: ScheduledBatch, rows: list[int], token_start: int, block_size: int) -> DecodeGroupInput:

@@ -10,9 +10,9 @@ Three ways to attend for the decodes (EngineConfig.attention_backend): "torch" g
 and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel that reads the cache
 through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
 where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
-(llmq/model/cpu_kernels.py). Prompt chunks take SDPA (its flash kernel on CUDA for a fresh prompt),
-except short ones with "cpu", whose kernel takes them in the same call, each token as a decode at its
-position (longest_kernel_prompt).
+(llmq/model/cpu_kernels.py). Prompt chunks take SDPA, a call each, except with "triton", whose prefill
+kernel takes all of a step's chunks in one launch (PagedPrefills), and short ones with "cpu", whose kernel
+takes them in the same call as the decodes, each token as a decode at its position (longest_kernel_prompt).
 """
 from __future__ import annotations
 
@@ -75,12 +75,26 @@ class PagedDecodes:
 
 
 @dataclass
+class PagedPrefills:
+    """All of a step's prompt chunks, for the "triton" backend's prefill kernel: chunk c has
+    num_tokens[c] query rows from row token_starts[c], after num_cached[c] tokens in the cache, and its
+    context's blocks in row c of block_tables. The vectors are int32 [C] on the device."""
+
+    block_tables: torch.Tensor  # int32 [C, max_blocks], padded with block 0
+    token_starts: torch.Tensor
+    num_tokens: torch.Tensor
+    num_cached: torch.Tensor
+    longest_chunk: int  # the largest of num_tokens, known on the host: it sizes the kernel's grid
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" or "cpu" backend
+    paged_prefills: PagedPrefills | None = None  # instead of `prefills`, with the "triton" backend
 
 
 PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
@@ -161,6 +175,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = gather_blocks(k_cache, group.cache_rows, meta.block_size).view(k_cache.shape[0], n, -1, head_dim)
         values = gather_blocks(v_cache, group.cache_rows, meta.block_size).view(v_cache.shape[0], n, -1, head_dim)
         out[rows] = _decode_attention(q[rows], keys, values, group.pad_mask, scale)
+    if meta.paged_prefills is not None:
+        from llmq.model.triton_attention import paged_prefill_attention
+
+        chunks = meta.paged_prefills
+        paged_prefill_attention(q, k_cache, v_cache, chunks.block_tables, chunks.token_starts, chunks.num_tokens,
+                                chunks.num_cached, chunks.longest_chunk, meta.block_size, scale, out)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         if span.context_rows is None:  # a fresh prompt: its own K/V are the whole context

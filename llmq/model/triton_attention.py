@@ -1,19 +1,27 @@
-"""Decode attention that reads the paged KV cache in place: one Triton kernel, for CUDA.
+"""Attention that reads the paged KV cache in place: Triton kernels, for CUDA.
 
 The torch path (llmq/model/attention.py) gathers each sequence's blocks into a contiguous copy, then
-multiplies. On a GPU that copy is most of decode attention's memory traffic, and its shape changes
-with every step's longest context, which rules out CUDA graphs. This kernel walks each sequence's
-block table itself and stops at its own length, so its launch has the same shape whatever the
-contexts are: a decode step captured once per batch size replays for any lengths.
+multiplies, and attends to each prompt chunk in a call of its own. On a GPU that copy is most of decode
+attention's memory traffic, its shape changes with every step's longest context (which rules out CUDA
+graphs), and a step of many short prompts spends its time launching a few calls per prompt and layer.
 
-One program per (sequence, query head). It reads the cache through the block table a tile of
-BLOCK_N tokens at a time and keeps a running max and sum (the online softmax), so no score row is
-ever stored; the arithmetic is in float32 whatever the cache's dtype.
+- The decode kernel walks each sequence's block table itself and stops at its own length, so its
+  launch has the same shape whatever the contexts are: a decode step captured once per batch size
+  replays for any lengths. One program per (sequence, query head).
+- The prefill kernel takes every prompt chunk of a step in one launch, fresh prompts and chunks after
+  cached tokens alike (their new K/V are in the cache already): one program per (chunk, tile of
+  BLOCK_M query tokens, query head), causal at each query's own position. Its products are tl.dot's,
+  in IEEE float32 for a float32 cache (TF32 would break parity with the reference).
 
-Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) runs the same kernel on
-CPU tensors, which is how the CPU test suite checks it against the torch path.
+Both keep a running max and sum (the online softmax), so no score row is ever stored, and accumulate
+in float32 whatever the cache's dtype.
+
+Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) runs the same kernels on
+CPU tensors, which is how the CPU test suite checks them against the torch path.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -74,3 +82,85 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0),
         queries_per_kv=num_heads // num_kv_heads, head_dim=head_dim, block_size=block_size,
         BLOCK_N=64, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_starts_ptr, num_tokens_ptr,
+                          num_cached_ptr, out_ptr, scale, stride_qt, stride_qh, stride_ch, stride_cs, stride_bt,
+                          stride_ot, queries_per_kv: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PRECISION: tl.constexpr, DOT_IN_FLOAT32: tl.constexpr):
+    chunk = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    count = tl.load(num_tokens_ptr + chunk)
+    if tile * BLOCK_M < count:  # the grid is sized for the step's longest chunk
+        token_start = tl.load(token_starts_ptr + chunk)
+        cached = tl.load(num_cached_ptr + chunk)
+        kv_head = head // queries_per_kv
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < count
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < head_dim
+        q = tl.load(q_ptr + (token_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_IN_FLOAT32:
+            q = q.to(tl.float32)
+        # A row past the chunk attends as its last token does (finite, never stored).
+        query_positions = cached + tl.minimum(rows, count - 1)
+        context_end = cached + tl.minimum(tile * BLOCK_M + BLOCK_M, count)  # the tile's last query's keys
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for key_start in range(0, context_end, BLOCK_N):
+            positions = key_start + tl.arange(0, BLOCK_N)
+            in_context = positions < context_end
+            blocks = tl.load(block_tables_ptr + chunk * stride_bt + positions // block_size, mask=in_context, other=0)
+            slots = blocks.to(tl.int64) * block_size + positions % block_size
+            offsets = kv_head * stride_ch + slots[:, None] * stride_cs + dims[None, :]  # [BLOCK_N, BLOCK_D]
+            tile_mask = in_context[:, None] & dim_ok[None, :]
+            keys = tl.load(k_cache_ptr + offsets, mask=tile_mask, other=0.0)
+            values = tl.load(v_cache_ptr + offsets, mask=tile_mask, other=0.0)
+            if DOT_IN_FLOAT32:
+                keys, values = keys.to(tl.float32), values.to(tl.float32)
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+            allowed = (positions[None, :] <= query_positions[:, None]) & in_context[None, :]
+            scores = tl.where(allowed, scores, float("-inf"))
+            # The first tile holds position 0, which every query sees: the max is finite from then on.
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            rescale = tl.exp(running_max - new_max)
+            weights = tl.exp(scores - new_max[:, None])
+            acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
+            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+            running_max = new_max
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + (token_start + rows)[:, None] * stride_ot + head * head_dim + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, token_starts: torch.Tensor, num_tokens: torch.Tensor,
+                            num_cached: torch.Tensor, longest_chunk: int, block_size: int, scale: float,
+                            out: torch.Tensor) -> None:
+    """Every prompt chunk of a step: chunk c's num_tokens[c] query rows start at row token_starts[c] of
+    q [T, H, Dh] and follow num_cached[c] tokens already in the cache; its new tokens' K/V are in the
+    cache too, through block_tables int32 [C, max_blocks] (a row per chunk, covering its context). The
+    per-chunk vectors are int32 [C]; `longest_chunk` is the largest of num_tokens (it sizes the grid).
+    Writes the chunks' rows of out [T, H * Dh]."""
+    num_chunks = num_tokens.shape[0]
+    _, num_heads, head_dim = q.shape
+    if num_chunks == 0:
+        return
+    if k_cache.stride(2) != 1 or q.stride(2) != 1 or out.stride(1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("paged_prefill_attention needs the head dimension contiguous in q, the caches and out, "
+                         "and the two caches laid out alike")
+    block_m = 64 if q.element_size() < 4 else 32  # float32 tiles take twice the shared memory
+    _paged_prefill_kernel[(num_chunks, triton.cdiv(longest_chunk, block_m), num_heads)](
+        q, k_cache, v_cache, block_tables, token_starts, num_tokens, num_cached, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0),
+        queries_per_kv=num_heads // k_cache.shape[0], head_dim=head_dim, block_size=block_size,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot's least
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies 16-bit floats wrongly in tl.dot (3.9 here): there the tests
+        # check the kernel with its products in float32; compiled, they stay in the cache's dtype.
+        DOT_IN_FLOAT32=os.environ.get("TRITON_INTERPRET") == "1")

@@ -57,6 +57,8 @@ STEPS = {  # decodes' context lengths: one token, a block's edge, and the Triton
     "decodes+chunk": ([1, 4, 5, 63, 64, 65, 130], ((9, 5),)),
     "decodes+prompts+chunk": ([3, 17], ((0, 7), (0, 1 + 2 * BLOCK_SIZE), (6, 3))),
     "prompts only": ([], ((0, 40), (0, 2), (5, 70))),
+    # Chunks over several of Triton's 64-token query and key tiles, fresh and after cached tokens.
+    "decodes+long chunks": ([5, 130], ((70, 90), (0, 130))),
 }
 # Steps whose longer prompt chunks the "cpu" kernel leaves to SDPA: (decodes, chunks, longest context it takes).
 ROUTED_STEPS = {
@@ -65,8 +67,8 @@ ROUTED_STEPS = {
 }
 
 
-# Triton's kernel takes decodes only: a step of prompts alone never reaches it.
-KERNEL_CASES = ([pytest.param("triton", 24, name, marks=needs_triton) for name in STEPS if STEPS[name][0]]
+# Head sizes: Triton's products pad them to at least 16 (8, 24), the C++ kernel's vector registers take 64 and 128.
+KERNEL_CASES = ([pytest.param("triton", size, name, marks=needs_triton) for size in (8, 24) for name in STEPS]
                 + [pytest.param("cpu", size, name, marks=on_a_cpu) for size in (24, 64, 128) for name in STEPS])
 
 
@@ -85,10 +87,11 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
     for paged_kernel in (None, kernel):
         _, _, meta = step.to_tensors(DEVICE, NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel)
         TORCH_KERNELS.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)  # as the model does before attending
-        assert (meta.paged_decodes is not None) == bool(paged_kernel)
+        assert (meta.paged_decodes is not None) == (paged_kernel == "cpu" or bool(paged_kernel and lengths))
         assert bool(meta.decodes) == (not paged_kernel and bool(lengths))
-        # The C++ kernel takes the prompt chunks in the same call; Triton's leaves them to SDPA.
-        assert len(meta.prefills) == (0 if paged_kernel == "cpu" else len(prefills))
+        # Both kernels take the prompt chunks: the C++ one in the decodes' call, Triton's in a launch of its own.
+        assert len(meta.prefills) == (0 if paged_kernel else len(prefills))
+        assert (meta.paged_prefills is not None) == (paged_kernel == "triton" and bool(prefills))
         outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
     tolerance = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
                  torch.float16: dict(rtol=5e-3, atol=5e-3)}[dtype]
