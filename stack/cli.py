@@ -129,7 +129,7 @@ def _add_engine_arguments(parser) -> None:
                              "the checkpoint's on a GPU)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, help="CPU KV cache size in bytes")
+    parser.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes (default: 1 GiB on a CPU, gpu_memory_utilization on a GPU)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (per rank)")
     parser.add_argument("--quantization", choices=("int8", "int4"), help="quantize the weights at load")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer")

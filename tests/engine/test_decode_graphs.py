@@ -36,7 +36,7 @@ def _decoding_engine(stories_dir, backend: str, num_prompts: int) -> LLMEngine:
 
 
 # Triton's interpreter is slow: the kernel's bucket once, its agreement in an engine is in
-# tests/model/test_triton_attention.py.
+# tests/model/test_paged_attention_kernels.py.
 @pytest.mark.parametrize("backend, num_seqs", [("torch", 3), ("torch", 5),  # padded to the buckets of 4 and 8
                                                pytest.param("triton", 3, marks=needs_triton)])
 def test_a_padded_decode_step_equals_the_plain_one_and_writes_only_its_slots(stories_dir, backend, num_seqs):
