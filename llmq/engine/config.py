@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 # Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
 QUANTIZATION_METHODS = ("int8", "int4")
-# How decodes attend (llmq/model/attention.py): auto = the Triton kernel on CUDA where Triton is installed,
-# the C++ kernel ("cpu") on a CPU where the CPU kernels are in use, else torch.
+# How decodes (and prompt chunks, but for torch's) attend (llmq/model/attention.py): auto = the Triton
+# kernels on CUDA where Triton is installed, the C++ kernel ("cpu") on a CPU where the CPU kernels are in
+# use, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # The KV cache on a CPU when kv_cache_bytes is not given: the machine's memory is not the engine's alone.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

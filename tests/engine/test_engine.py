@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from llmq.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from llmq.engine.llm import LLM, LLMEngine
 from llmq.engine.sequence import Sequence
 from llmq.errors import InvalidRequest
@@ -265,6 +266,17 @@ def test_continuous_batching_matches_one_at_a_time(request, engine_name, batch_r
     assert all(run.output(i).finish_reason == "length" for i in ids)
     # It really was batched: far fewer steps than running the requests back to back.
     assert run.steps < sum(params.max_tokens for _, params in batch_requests) / 2
+
+
+def test_the_kv_cache_takes_kv_cache_bytes_else_the_cpu_default(stories_dir, model_config, block_bytes):
+    given = make_llm(stories_dir, kv_cache_bytes=10 * block_bytes + 1).engine
+    assert given.block_manager.num_blocks == 10
+    # Not given: DEFAULT_CPU_KV_CACHE_BYTES, capped at what max_num_seqs full-length sequences can use.
+    default = make_llm(stories_dir, kv_cache_bytes=None, max_num_seqs=4).engine
+    full_length = -(-model_config["max_position_embeddings"] // BLOCK_SIZE)
+    assert default.block_manager.num_blocks == min(4 * full_length, DEFAULT_CPU_KV_CACHE_BYTES // block_bytes)
+    with pytest.raises(ValueError, match="kv_cache_bytes must be a positive integer"):
+        EngineConfig(model=str(stories_dir), kv_cache_bytes=0)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
