@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 # Weight-only quantization at load (llmq/model/quantization); a GPTQ / AWQ checkpoint needs none.
 QUANTIZATION_METHODS = ("int8", "int4")
-# How decodes (and prompt chunks, but for torch's) attend (llmq/model/attention.py): auto = the Triton
+# How decodes and prompt chunks attend (llmq/model/attention.py): auto = the Triton
 # kernels on CUDA where Triton is installed, the C++ kernel ("cpu") on a CPU where the CPU kernels are in
 # use, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
