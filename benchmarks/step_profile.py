@@ -5,6 +5,9 @@
     python benchmarks/step_profile.py --model llama-1b --dtype bfloat16
     python benchmarks/step_profile.py --no-prepack                 # F.linear's products instead of oneDNN's packed ones
     python benchmarks/step_profile.py --async-scheduling --no-profiler   # each step launched before the last is read
+    python benchmarks/step_profile.py --model stories260k --requests 256 --dtype float32 --no-profiler
+        # the engine's host work at 256 sequences: a 260 K model, whose forward pass costs little (on a GPU
+        # the host's work per step is what a decode step of a small model waits for)
 
 Two views of one engine (prefix caching off, 2 threads), after a warm-up:
 1. The whole workload (../shared/bench/README.md's draw) run once with the engine's parts timed by
@@ -38,7 +41,10 @@ from llmq.engine.llm import LLMEngine  # noqa: E402
 from llmq.engine.step_input import StepInput  # noqa: E402
 from llmq.model.sampler import SampledStep  # noqa: E402
 
-MODELS = {"bench-42m": (bench_model_dir, 64), "llama-1b": (model_1b_dir, 32)}
+STORIES_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"
+# name -> (its folder, made on first use; requests by default; vocabulary the prompts' ids are drawn from)
+MODELS = {"bench-42m": (bench_model_dir, 64, 32000), "llama-1b": (model_1b_dir, 32, 32000),
+          "stories260k": (lambda: STORIES_DIR, 256, 512)}
 
 # Operator name -> group, first match wins (view 2).
 GROUPS = [
@@ -111,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="bench-42m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--requests", type=int, default=None, help="default: 64 for bench-42m, 32 for llama-1b")
+    parser.add_argument("--requests", type=int, default=None, help="default: 64 for bench-42m, 32 for llama-1b, 256 for stories260k")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-prepack", action="store_true", help="leave the weights for F.linear (MKL)")
     parser.add_argument("--no-profiler", action="store_true", help="view 1 only")
@@ -119,22 +125,22 @@ def main() -> None:
                         help="launch each step before reading the last one's tokens (the CUDA default)")
     args = parser.parse_args()
 
-    make_folder, default_requests = MODELS[args.model]
-    requests = workload(n=args.requests or default_requests)
+    make_folder, default_requests, vocab = MODELS[args.model]
+    requests = workload(n=args.requests or default_requests, vocab=vocab)
     useful = sum(o for _, o in requests)
     engine = LLMEngine(EngineConfig(model=str(make_folder()), dtype=args.dtype, enable_prefix_caching=False,
                                     num_threads=args.threads, prepack_weights=not args.no_prepack,
-                                    async_scheduling=args.async_scheduling))
+                                    max_num_seqs=max(128, len(requests)), async_scheduling=args.async_scheduling))
     runner = engine.model_runner
     print(f"{args.model}, {runner.dtype_choice.name} ({runner.dtype_choice.reason}), "
           f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
           f"{'async' if engine.async_scheduling else 'plain'} scheduling, "
           f"{len(requests)} requests, {useful} useful tokens", flush=True)
-    run_workload(engine, fresh_prompts(requests[:8], 10_000), "warm")
+    run_workload(engine, fresh_prompts(requests[:8], 10_000, vocab), "warm")
 
     sections = Sections()
     instrument(engine, sections)
-    seconds, steps = run_workload(engine, fresh_prompts(requests, 1), "timed")
+    seconds, steps = run_workload(engine, fresh_prompts(requests, 1, vocab), "timed")
     total = sections.seconds["step (all)"]
     accounted = sum(v for k, v in sections.seconds.items() if k != "step (all)")
     print(f"\n## 1. the workload's {steps} steps, timed: {seconds:.2f} s, {useful / seconds:.1f} useful tok/s\n")
@@ -146,7 +152,7 @@ def main() -> None:
     if args.no_profiler:
         return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, profiled_steps = run_workload(engine, fresh_prompts(requests, 2), "profiled")
+        _, profiled_steps = run_workload(engine, fresh_prompts(requests, 2, vocab), "profiled")
     groups: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():

@@ -28,7 +28,14 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Triton compiles a kernel again for an integer argument that is 1, or a multiple of 16, where it was not
+# before. A block table's width changes from step to step (steps with prompt chunks run eagerly, with
+# tables as wide as their longest sequence needs), so it is left out of that specialization: otherwise a
+# new width could cost a compilation in the middle of serving.
+_VARYING = ["stride_bt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                          scale, stride_qt, stride_qh, stride_ch, stride_cs, stride_bt, stride_ot,
                          queries_per_kv: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
@@ -84,7 +91,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=64, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, token_starts_ptr, num_tokens_ptr,
                           num_cached_ptr, out_ptr, scale, stride_qt, stride_qh, stride_ch, stride_cs, stride_bt,
                           stride_ot, queries_per_kv: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
