@@ -84,7 +84,7 @@ class OutputProcessor:
             del self._states[seq.seq_id]
         text = state.text[state.num_emitted_chars:end]
         state.num_emitted_chars = end
-        tokens = tuple(seq.output_token_ids[state.num_emitted_tokens:])
+        tokens = tuple(seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:])  # not a copy of all output
         state.num_emitted_tokens += len(tokens)
         logprobs = (token_logprob,) if token_logprob is not None else None
         return RequestDelta(seq.request_id, seq.index, text, tokens, logprobs,
