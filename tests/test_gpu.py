@@ -1,7 +1,7 @@
 """The device path: the engine on CUDA. Marked `gpu`; skipped on machines without CUDA.
 
-float32 on the device keeps greedy parity exact against transformers; bfloat16 (the CUDA default) is
-checked for running cleanly and freeing its blocks. CUDA graphs and the Triton kernel must generate
+float32 on the device keeps greedy parity exact against transformers; bfloat16 (what most checkpoints
+name, and so what "auto" runs them in there) is checked for running cleanly and freeing its blocks. CUDA graphs and the Triton kernel must generate
 what eager steps and the torch path do, and sampling must not wait for the device."""
 import gc
 
