@@ -35,6 +35,20 @@ import triton.language as tl
 _VARYING = ["stride_bt"]
 
 
+@triton.jit
+def _cache_tile(block_table_ptr, positions, context_end, kv_head, stride_ch, stride_cs, dims, dim_ok,
+                block_size: tl.constexpr):
+    """Where one KV head's keys (or values) at `positions` [BLOCK_N] of a sequence are in its cache:
+    offsets [BLOCK_N, BLOCK_D] through the sequence's block table (at block_table_ptr), the mask of
+    those in the context (positions before context_end, the head's dims), and in_context [BLOCK_N].
+    A position past the context reads block 0 (masked, never used)."""
+    in_context = positions < context_end
+    blocks = tl.load(block_table_ptr + positions // block_size, mask=in_context, other=0)
+    slots = blocks.to(tl.int64) * block_size + positions % block_size
+    offsets = kv_head * stride_ch + slots[:, None] * stride_cs + dims[None, :]
+    return offsets, in_context[:, None] & dim_ok[None, :], in_context
+
+
 @triton.jit(do_not_specialize=_VARYING)
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                          scale, stride_qt, stride_qh, stride_ch, stride_cs, stride_bt, stride_ot,
@@ -51,12 +65,9 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     running_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for tile_start in range(0, context_len, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        in_context = positions < context_len
-        blocks = tl.load(block_tables_ptr + seq * stride_bt + positions // block_size, mask=in_context, other=0)
-        slots = blocks.to(tl.int64) * block_size + positions % block_size
-        offsets = kv_head * stride_ch + slots[:, None] * stride_cs + dims[None, :]  # [BLOCK_N, BLOCK_D]
-        tile_mask = in_context[:, None] & dim_ok[None, :]
+        offsets, tile_mask, in_context = _cache_tile(block_tables_ptr + seq * stride_bt,
+                                                     tile_start + tl.arange(0, BLOCK_N), context_len, kv_head,
+                                                     stride_ch, stride_cs, dims, dim_ok, block_size)
         keys = tl.load(k_cache_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         scores = tl.sum(keys * q[None, :], axis=1) * scale  # [BLOCK_N]
         scores = tl.where(in_context, scores, float("-inf"))
@@ -121,11 +132,8 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, tok
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for key_start in range(0, context_end, BLOCK_N):
             positions = key_start + tl.arange(0, BLOCK_N)
-            in_context = positions < context_end
-            blocks = tl.load(block_tables_ptr + chunk * stride_bt + positions // block_size, mask=in_context, other=0)
-            slots = blocks.to(tl.int64) * block_size + positions % block_size
-            offsets = kv_head * stride_ch + slots[:, None] * stride_cs + dims[None, :]  # [BLOCK_N, BLOCK_D]
-            tile_mask = in_context[:, None] & dim_ok[None, :]
+            offsets, tile_mask, in_context = _cache_tile(block_tables_ptr + chunk * stride_bt, positions, context_end,
+                                                         kv_head, stride_ch, stride_cs, dims, dim_ok, block_size)
             keys = tl.load(k_cache_ptr + offsets, mask=tile_mask, other=0.0)
             values = tl.load(v_cache_ptr + offsets, mask=tile_mask, other=0.0)
             if DOT_IN_FLOAT32:
