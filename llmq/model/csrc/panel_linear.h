@@ -69,8 +69,9 @@ inline void store16(uint16_t* out, __m256 lo, __m256 hi) {
 
 // Rows (at most kRows) rows of a (float32, [Rows, K] contiguous) times one panel [K, 16] of W (float32 or
 // bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given.
-// Where `ahead` is given, the pass also asks for ahead_lines cache lines from there (the next panel) as
-// it goes, one a step, so that they come from memory while this panel is multiplied.
+// Where `ahead` is given, the pass also asks for ahead_lines cache lines from there (part of the next
+// panel) as it goes, evenly spaced over its K steps, so that they come from memory while this panel is
+// multiplied.
 template <int Rows, typename W, typename O>
 inline void panel_rows(const float* a, const W* panel, int64_t k, const float* bias, O* out,
                        int64_t ldo, const char* ahead, int64_t ahead_lines) {
@@ -80,10 +81,16 @@ inline void panel_rows(const float* a, const W* panel, int64_t k, const float* b
   const float* a0 = a;
   const float* a3 = Rows > 3 ? a + 3 * k : a;  // rows 3-5 from here
   if (ahead == nullptr) ahead_lines = 0;
+  const int64_t fetch_every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : 1;
+  int64_t next_fetch = 0, fetched = 0;
   for (int64_t i = 0; i < k; ++i) {
     const __m256 w0 = load8(panel + i * kPanelColumns);
     const __m256 w1 = load8(panel + i * kPanelColumns + 8);
-    if (i < ahead_lines) _mm_prefetch(ahead + i * kCacheLine, _MM_HINT_T0);
+    if (i == next_fetch && fetched < ahead_lines) {
+      _mm_prefetch(ahead + fetched * kCacheLine, _MM_HINT_T0);
+      ++fetched;
+      next_fetch += fetch_every;
+    }
 #define LLMQ_PANEL_ROW(R, BASE, OFFSET)                          \
   if constexpr (Rows > R) {                                      \
     const __m256 x = _mm256_broadcast_ss(BASE + OFFSET + i);     \
@@ -104,18 +111,24 @@ inline void panel_rows(const float* a, const W* panel, int64_t k, const float* b
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm256_add_ps(sums[r][0], b0), _mm256_add_ps(sums[r][1], b1));
 }
 
-// Rows of a times one panel into out, `rows` of them kRows at a time; the first pass also fetches the
-// ahead_bytes at `ahead` (nullptr: none).
+// Rows of a times one panel into out, `rows` of them kRows at a time; the passes also fetch the
+// ahead_bytes at `ahead` (nullptr: none), each pass an equal share. Spread over every pass, not asked
+// for all at once in the first, the requests stay within what the core can have in flight to memory
+// (more are dropped or stall it), and the memory's transfers overlap all of the panel's arithmetic
+// (benchmarks/product_shapes.py measures products whose weights come from memory).
 template <typename W, typename O>
 inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
                              int64_t ldo, const char* ahead, int64_t ahead_bytes) {
-  const int64_t ahead_lines = (ahead_bytes + kCacheLine - 1) / kCacheLine;
+  const int64_t lines = ahead != nullptr ? (ahead_bytes + kCacheLine - 1) / kCacheLine : 0;
+  const int64_t passes = (rows + kRows - 1) / kRows, lines_per_pass = (lines + passes - 1) / passes;
   for (int64_t r = 0; r < rows; r += kRows) {
     const float* rows_a = a + r * k;
     O* rows_out = out + r * ldo;
-    const char* fetch = r == 0 ? ahead : nullptr;
+    const int64_t first_line = std::min(lines, r / kRows * lines_per_pass);
+    const int64_t fetch_lines = std::min(lines_per_pass, lines - first_line);
+    const char* fetch = fetch_lines > 0 ? ahead + first_line * kCacheLine : nullptr;
 #define LLMQ_PANEL_ROWS(R)                                                       \
-  panel_rows<R>(rows_a, panel, k, bias, rows_out, ldo, fetch, ahead_lines); \
+  panel_rows<R>(rows_a, panel, k, bias, rows_out, ldo, fetch, fetch_lines); \
   break;
     switch (std::min<int64_t>(kRows, rows - r)) {
       case 1: LLMQ_PANEL_ROWS(1)
@@ -145,8 +158,8 @@ void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num
   // A bfloat16 panel that more than one block of rows reads is widened once, into a float32 copy they
   // all read: widening as it is read costs each block about as much again as its multiply-adds.
   constexpr bool kHalfWeights = std::is_same_v<W, uint16_t>;
-  // Each panel's first pass fetches the next panel of the thread's share while it multiplies, so that
-  // memory and arithmetic overlap: the hardware's prefetcher only follows the stream it is in. Not with
+  // Each panel's passes fetch the next panel of the thread's share while they multiply, so that memory
+  // and arithmetic overlap: the hardware's prefetcher only follows the stream it is in. Not with
   // one or two float32 rows, a pass that only streams: there it measured slower.
   const bool fetch_ahead = m >= 3 || kHalfWeights;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
