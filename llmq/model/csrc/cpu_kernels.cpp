@@ -304,10 +304,13 @@ inline void prefetch_block(const scalar_t* head, int32_t block, int64_t block_el
 // Decode attention for one (sequence, KV head): its G query heads ([G, Dh], float32, scaled) against the
 // `length` keys and values that `table` names, into out [G, Dh]. `scores` holds G * length floats.
 // kChunks > 0: head_dim is kChunks vectors, known when compiled, so that a key's dot product and a
-// head's running sum of values stay in registers; 0: any head_dim.
+// head's running sum of values stay in registers; 0: any head_dim. As it scores each key it asks for
+// an equal share of `ahead`'s lines (the next piece's context; none where null), the rest at the end.
 template <int kChunks, typename scalar_t>
 void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, const int32_t* table,
-            int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out) {
+            int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out,
+            llmq_prefetch::ContextFetch* ahead) {
+  const int64_t ahead_per_key = ahead != nullptr ? (ahead->lines() + length - 1) / length : 0;
   // Scores, a block at a time (one block-table lookup per block, no division per token).
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
@@ -329,8 +332,10 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
         }
         scores[g * length + first + t] = score;
       }
+      if (ahead != nullptr) ahead->next(ahead_per_key);
     }
   }
+  if (ahead != nullptr) ahead->next(ahead->lines());
   // Softmax's exponentials; each head's 1 / sum scales its weighted sum of values at the end.
   float inv_total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
@@ -401,8 +406,9 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
 // G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
 // then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work
-// (work_split.h), and each piece asks for the next one's keys and values into L2 before it computes,
-// unless the next one's query follows another of its table's (a chunk's: those blocks are warm).
+// (work_split.h), and each piece asks for the next one's keys and values into L2 as it computes
+// (paged_prefetch.h's ContextFetch), unless the next one's query follows another of its table's (a
+// chunk's: those blocks are warm).
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const int32_t* query_tables,
@@ -437,15 +443,17 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
           for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
         }
         const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-        if (item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next)) {
-          llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                       reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                       table_of(next), lens[next], block_size,
-                                       block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+        const bool fetch_next = item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next);
+        llmq_prefetch::ContextFetch ahead;
+        if (fetch_next) {
+          ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                              reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                              table_of(next), lens[next], block_size,
+                                              block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
         }
         scores.resize(group * length);
         attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, table_of(n),
-                    length, block_size, group, head_dim, scores.data(), result.data());
+                    length, block_size, group, head_dim, scores.data(), result.data(), fetch_next ? &ahead : nullptr);
         for (int64_t g = 0; g < group; ++g) {
           scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);

@@ -20,6 +20,41 @@ inline void context_to_l2(const char* k_head, const char* v_head, const int32_t*
   }
 }
 
+// The same lines, asked for a few at a time (`next`) while the piece before computes, in the order they
+// will be read: asked for all at once, most requests find the core's queue to memory full and are dropped
+// (on an AVX2 EPYC, decode attention took as long as with none at all).
+class ContextFetch {
+ public:
+  ContextFetch() = default;
+  ContextFetch(const char* k_head, const char* v_head, const int32_t* table, int64_t length, int64_t block_size,
+               int64_t block_bytes)
+      : k_head_(k_head), v_head_(v_head), table_(table), blocks_((length + block_size - 1) / block_size),
+        block_bytes_(block_bytes) {}
+
+  // Lines of each of the keys and the values: what `next` has to ask for in all.
+  int64_t lines() const { return blocks_ * ((block_bytes_ + 63) / 64); }
+
+  // Asks for the next `count` lines of the keys and as many of the values.
+  void next(int64_t count) {
+    for (; count > 0 && block_ < blocks_; --count) {
+      const int64_t at = static_cast<int64_t>(table_[block_]) * block_bytes_ + offset_;
+      __builtin_prefetch(k_head_ + at, 0, 2);
+      __builtin_prefetch(v_head_ + at, 0, 2);
+      offset_ += 64;
+      if (offset_ >= block_bytes_) {
+        offset_ = 0;
+        ++block_;
+      }
+    }
+  }
+
+ private:
+  const char* k_head_ = nullptr;
+  const char* v_head_ = nullptr;
+  const int32_t* table_ = nullptr;
+  int64_t blocks_ = 0, block_bytes_ = 0, block_ = 0, offset_ = 0;
+};
+
 // Whether query n is the first to read its block table row (query_tables[n], or n's own where there are
 // none): a decode always is; a prompt chunk's later tokens re-read the blocks their predecessor just read,
 // which are still in L2, and asking for them again costs more than it saves.
