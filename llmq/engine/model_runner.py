@@ -29,6 +29,7 @@ from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paneled, is_
                                     native_kernels_failure)
 from llmq.model.cpu_prepack import build_kernels, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
+from llmq.model.huge_pages import huge_page_zeros
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
 from llmq.model.quantization.transform import weight_footprint
@@ -138,10 +139,8 @@ class ModelRunner:
         # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
         self.num_cache_blocks = self.budget.num_blocks + 1
         kv_shape = (local.num_key_value_heads, self.num_cache_blocks * self.block_size, local.head_dim)
-        self.kv_caches = [
-            (torch.zeros(kv_shape, device=self.device, dtype=self.dtype),
-             torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
-            for _ in range(self.plan.stage.num_layers)]
+        self.kv_caches = [(self._cache_zeros(kv_shape), self._cache_zeros(kv_shape))
+                          for _ in range(self.plan.stage.num_layers)]
         self.num_micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size
         self.timing = StepTiming()
         self._previous_tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device
@@ -203,6 +202,13 @@ class ModelRunner:
                 f"layers {stage.first_layer}-{stage.end_layer - 1} of {self.model_config.num_hidden_layers})")
 
     # ---- memory --------------------------------------------------------------------------
+
+    def _cache_zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's key or value cache: on a CPU in huge pages (llmq/model/huge_pages.py), whose blocks
+        a decode step reads wherever they lie."""
+        if self.device.type == "cpu":
+            return huge_page_zeros(shape, self.dtype)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _plan_memory(self, max_model_len: int) -> MemoryBudget:
         cfg, mc, local = self.config, self.model_config, self.plan.local_config

@@ -17,9 +17,9 @@ and `linear` in llama.py runs the product its layout is for:
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
-elements, so the memory budget counts it. A tied LM head gets a packed copy of its own: the
-embedding keeps the dense matrix for its row lookups. QuantizedLinear projections keep their own
-kernels.
+elements, so the memory budget counts it; tiles and panels lie in huge pages (llmq/model/huge_pages.py).
+A tied LM head gets a packed copy of its own: the embedding keeps the dense matrix for its row lookups.
+QuantizedLinear projections keep their own kernels.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmq.model.cpu_kernels import is_paneled, is_tiled
+from llmq.model.huge_pages import huge_page_copy
 from llmq.model.llama import Linear, LlamaMLP, linear
 from llmq.model.row_buckets import buckets_up_to
 from llmq.model.tensor_parallel import VocabParallelHead
@@ -141,6 +142,8 @@ def prepack_linears(model: nn.Module, tiles: bool = False, panels: bool = False)
                 layout = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
             else:
                 continue
+            if not layout.is_mkldnn:  # streamed whole by every decode step: huge pages spare the TLB
+                layout = huge_page_copy(layout)
             module.weight = nn.Parameter(layout, requires_grad=False)
             packed += 1
         if packed:  # a tied LM head has its packed copy now: the embedding's lookups want its rows contiguous

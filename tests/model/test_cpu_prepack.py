@@ -13,6 +13,7 @@ from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_paneled, is_tile
 from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, panel_weight, panels_fit, prepack_linears,
                                     prepack_supported, tile_gate_up, tile_weight, tiles_fit, unpanel_weight,
                                     untile_weight)
+from llmq.model.huge_pages import HUGE_PAGE_BYTES
 from llmq.model.llama import Linear, LlamaForCausalLM, LlamaMLP, linear
 from llmq.model.model_config import ModelConfig
 from llmq.model.loader import load_model
@@ -214,6 +215,7 @@ def test_bfloat16_weights_that_fit_go_in_tiles_the_rest_to_onednn(stories_dir):
         assert is_tiled(module.weight) == fits and module.weight.is_mkldnn == (not fits)
         if fits:
             assert torch.equal(untile_weight(module.weight), dense[name])
+            assert module.weight.data_ptr() % HUGE_PAGE_BYTES == 0  # in a huge-page mapping of its own
     embedding = model.model.embed_tokens.weight
     assert embedding.dim() == 2 and embedding.is_contiguous()  # the lookups keep their rows
     assert weight_footprint(model, torch.bfloat16).bytes == before + embedding.numel() * embedding.element_size()
@@ -334,6 +336,7 @@ def test_float32_weights_that_fit_go_in_panels_the_rest_to_onednn(stories_dir):
         assert is_paneled(module.weight) == fits and module.weight.is_mkldnn == (not fits)
         if fits:
             assert torch.equal(unpanel_weight(module.weight), dense[name])
+            assert module.weight.data_ptr() % HUGE_PAGE_BYTES == 0  # in a huge-page mapping of its own
     assert weight_footprint(model, torch.float32).bytes == before + model.model.embed_tokens.weight.numel() * 4
     assert prepack_linears(model, panels=True) == 0
 
