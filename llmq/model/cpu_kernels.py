@@ -119,11 +119,13 @@ class NativeKernels(TorchKernels):
         return TorchKernels.silu_and_mul(gate_up)
 
     def silu_and_mul_of(self, gate_up_proj, x):
-        """In one pass where the projection's weight is laid out paired in tiles (cpu_prepack.tile_gate_up):
-        the [T, 2 I] product is never stored."""
+        """In one pass where the projection's weight is laid out paired in tiles (cpu_prepack.tile_gate_up),
+        or in panels with gate and up each whole panels: the [T, 2 I] product is never stored."""
         weight = getattr(gate_up_proj, "weight", None)
         if weight is not None and is_paired(weight):
             return self._ops.tiled_silu_and_mul(x, weight, gate_up_proj.bias)
+        if weight is not None and is_paneled(weight) and weight.shape[0] % 2 == 0 and x.is_cpu:
+            return self._ops.panel_silu_and_mul(x, weight, gate_up_proj.bias)
         return TorchKernels.silu_and_mul_of(self, gate_up_proj, x)
 
     def decoder_layer(self, layer, hidden, residual, cos, sin, kv_cache, meta):

@@ -323,6 +323,40 @@ def test_panel_products_take_any_leading_shape_and_no_rows_and_refuse_a_wrong_wi
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_gate_up_in_panels_fuses_silu_exactly(dtype, rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    intermediate, hidden = 48, 200  # 3 panels a half
+    weight = torch.randn(2 * intermediate, hidden, generator=generator).to(dtype)
+    bias = torch.randn(2 * intermediate, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, hidden, generator=generator).to(dtype) * 2
+    plain = linear(x, panel_weight(weight), bias)
+    kernels = native_kernels()
+    projection = Linear(hidden, 2 * intermediate, with_bias, "cpu", dtype)
+    projection.weight.data, projection.bias = panel_weight(weight), (None if bias is None else torch.nn.Parameter(bias))
+    fused = kernels.silu_and_mul_of(projection, x)
+    assert fused.shape == (rows, intermediate) and fused.dtype == dtype
+    assert torch.equal(fused, kernels.silu_and_mul(plain))  # the product, rounded as stored, then silu_and_mul
+    # Against F.linear (its own summation order) then silu and the product, which magnify a last-bit difference.
+    tolerance = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(fused, TORCH_KERNELS.silu_and_mul(F.linear(x, weight, bias)), **tolerance)
+
+
+@needs_panels
+def test_a_gate_up_of_odd_panels_is_multiplied_then_gated():
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))  # 3 panels: gate and up split one
+    x = torch.randn(5, 32)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        native_kernels()._ops.panel_silu_and_mul(x, panel_weight(weight), None)
+    projection = Linear(32, 48, False, "cpu", torch.float32)
+    projection.weight.data = panel_weight(weight)
+    torch.testing.assert_close(native_kernels().silu_and_mul_of(projection, x),
+                               TORCH_KERNELS.silu_and_mul(F.linear(x, weight)), rtol=1e-5, atol=1e-5)
+
+
+@needs_panels
 def test_float32_weights_that_fit_go_in_panels_the_rest_to_onednn(stories_dir):
     model = load_model(stories_dir, "cpu", torch.float32, max_positions=64)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}

@@ -687,6 +687,26 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 #endif
 }
 
+// silu(x @ gate.T) * (x @ up.T), for a gate/up weight in panels whose gate and up are each whole panels:
+// equal to silu_and_mul(panel_linear(x, panels)) without storing the product.
+torch::Tensor panel_silu_and_mul(const torch::Tensor& x, const torch::Tensor& panels,
+                                 const c10::optional<torch::Tensor>& bias) {
+#ifdef LLMQ_HAS_PANEL_LINEAR
+  check_cpu(x, "x");
+  // float32 outputs as they are; bfloat16 ones as their bits (uint16_t).
+  return llmq_panels::gated(x, panels, bias, [](const auto* gate, const auto* up, auto* dst) {
+    if constexpr (std::is_same_v<std::remove_pointer_t<decltype(dst)>, float>) {
+      silu_mul_row(gate, up, dst, llmq_panels::kPanelColumns);
+    } else {
+      silu_mul_row(reinterpret_cast<const c10::BFloat16*>(gate), reinterpret_cast<const c10::BFloat16*>(up),
+                   reinterpret_cast<c10::BFloat16*>(dst), llmq_panels::kPanelColumns);
+    }
+  });
+#else
+  TORCH_CHECK(false, "panel_silu_and_mul: this build has no panel products (they are built for AVX2 CPUs without AVX-512)");
+#endif
+}
+
 // ---- a whole decoder layer, for a step whose attention is all the paged kernel's ----------------------
 
 // One Llama decoder layer's weights, gathered once so that a step's call passes one object, not a dozen
@@ -718,10 +738,15 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
 }
 
 // silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass over a
-// paired weight in tiles, else (oneDNN's, or panels) the product and then silu_and_mul.
+// paired weight in tiles, or panels whose gate and up are each whole panels; else (oneDNN's, or other
+// panels) the product and then silu_and_mul.
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up,
                             const c10::optional<torch::Tensor>& bias) {
-  if (gate_up.is_mkldnn() || gate_up.dim() == 3) return silu_and_mul(product(x, gate_up, bias));
+  if (gate_up.is_mkldnn()) return silu_and_mul(product(x, gate_up, bias));
+  if (gate_up.dim() == 3) {
+    if (gate_up.size(0) % 2 == 0) return panel_silu_and_mul(x, gate_up, bias);
+    return silu_and_mul(product(x, gate_up, bias));
+  }
   return tiled_silu_and_mul(x, gate_up, bias);
 }
 
@@ -789,6 +814,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx2, or none");
   m.def("panel_linear", &panel_linear, "x @ W.T (+ bias), float32 sums, W (float32 or bfloat16) laid out in panels",
+        py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
+  m.def("panel_silu_and_mul", &panel_silu_and_mul,
+        "silu(x @ gate.T) * (x @ up.T), a gate/up weight in panels whose gate and up are each whole panels",
         py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace llmq_panels {
@@ -142,79 +143,161 @@ inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* p
   }
 }
 
+// The rows that pass over a run of panels together: as many as keep their inputs beside the run in L2.
+inline int64_t row_group(int64_t k) {
+  return std::max<int64_t>(kRows, (kRunBytes / (k * 4)) / kRows * kRows);
+}
+
 // A bfloat16 panel [K, 16] widened to float32 into `to`.
 inline void widen(const uint16_t* panel, int64_t k, float* to) {
   for (int64_t i = 0; i < k * kPanelColumns; i += 8) _mm256_storeu_ps(to + i, load8(panel + i));
+}
+
+// The loop both products share. Units are panels, or gate/up pairs of panels, `unit_bytes` each, of which
+// each thread takes a contiguous share; visit(unit, row0, rows, last_of_share, scratch) multiplies rows
+// row0 .. row0 + rows - 1 by one unit. `scratch` is the thread's own `scratch_floats` floats.
+template <typename Visit>
+void over_units(int64_t m, int64_t k, int64_t units, int64_t unit_bytes, int64_t scratch_floats, const Visit& visit) {
+  const int64_t run = std::max<int64_t>(1, kRunBytes / unit_bytes), group = row_group(k);
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t first = begin; first < end; first += run) {
+      const int64_t last = std::min(end, first + run);
+      for (int64_t row0 = 0; row0 < m; row0 += group)
+        for (int64_t u = first; u < last; ++u) visit(u, row0, std::min(group, m - row0), u + 1 == end, scratch.data());
+    }
+  });
+}
+
+// Rows of a [rows, K] times one panel into out (row stride ldo), as multiply does it: a bfloat16 panel that
+// more than one block of rows reads is widened once into `widened` (a panel's worth of floats), which they
+// all read: widening as it is read costs each block about as much again as its multiply-adds. `ahead`:
+// the next panel of the thread's share, fetched while this one multiplies (nullptr: none).
+template <typename W, typename O>
+inline void panel_block(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
+                        int64_t ldo, const char* ahead, float* widened) {
+  const int64_t panel_bytes = k * kPanelColumns * static_cast<int64_t>(sizeof(W));
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (rows > kRows) {
+      widen(panel, k, widened);
+      panel_times_rows(a, rows, k, static_cast<const float*>(widened), bias, out, ldo, ahead, panel_bytes);
+      return;
+    }
+  }
+  panel_times_rows(a, rows, k, panel, bias, out, ldo, ahead, panel_bytes);
+}
+
+// Each panel's passes fetch the next panel of the thread's share while they multiply, so that memory and
+// arithmetic overlap: the hardware's prefetcher only follows the stream it is in. Not with one or two
+// float32 rows, a pass that only streams: there it measured slower.
+template <typename W>
+inline bool fetches_ahead(int64_t m) {
+  return m >= 3 || std::is_same_v<W, uint16_t>;
 }
 
 // a [M, K] (float32, contiguous) @ the panels -> out [M, N] (contiguous), + bias [N] where given.
 template <typename W, typename O>
 void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias, O* out) {
   const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
-  const int64_t panel_bytes = panel_elements * static_cast<int64_t>(sizeof(W));
-  const int64_t run = std::max<int64_t>(1, kRunBytes / panel_bytes);
-  // A group of rows passes over a run of panels: as many rows as keep their inputs beside the run in L2.
-  const int64_t group = std::max<int64_t>(kRows, (kRunBytes / (k * 4)) / kRows * kRows);
-  // A bfloat16 panel that more than one block of rows reads is widened once, into a float32 copy they
-  // all read: widening as it is read costs each block about as much again as its multiply-adds.
-  constexpr bool kHalfWeights = std::is_same_v<W, uint16_t>;
-  // Each panel's passes fetch the next panel of the thread's share while they multiply, so that memory
-  // and arithmetic overlap: the hardware's prefetcher only follows the stream it is in. Not with
-  // one or two float32 rows, a pass that only streams: there it measured slower.
-  const bool fetch_ahead = m >= 3 || kHalfWeights;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(kHalfWeights && m > kRows ? panel_elements : 0);
-    for (int64_t first = begin; first < end; first += run) {
-      const int64_t last = std::min(end, first + run);
-      for (int64_t row0 = 0; row0 < m; row0 += group) {
-        const int64_t rows = std::min(group, m - row0);
-        for (int64_t p = first; p < last; ++p) {
-          const W* panel = panels + p * panel_elements;
-          const float* panel_bias = bias != nullptr ? bias + p * kPanelColumns : nullptr;
-          O* panel_out = out + row0 * n + p * kPanelColumns;
-          const char* ahead = fetch_ahead && p + 1 < end ? reinterpret_cast<const char*>(panel + panel_elements)
-                                                         : nullptr;
-          if constexpr (kHalfWeights) {
-            if (rows > kRows) {
-              widen(panel, k, widened.data());
-              panel_times_rows(a + row0 * k, rows, k, widened.data(), panel_bias, panel_out, n, ahead, panel_bytes);
-              continue;
-            }
-          }
-          panel_times_rows(a + row0 * k, rows, k, panel, panel_bias, panel_out, n, ahead, panel_bytes);
-        }
-      }
-    }
-  });
+  const bool fetch_ahead = fetches_ahead<W>(m);
+  over_units(m, k, num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
+             std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0,
+             [&](int64_t p, int64_t row0, int64_t rows, bool last, float* widened) {
+               const W* panel = panels + p * panel_elements;
+               const char* ahead = fetch_ahead && !last ? reinterpret_cast<const char*>(panel + panel_elements) : nullptr;
+               panel_block(a + row0 * k, rows, k, panel, bias != nullptr ? bias + p * kPanelColumns : nullptr,
+                           out + row0 * n + p * kPanelColumns, n, ahead, widened);
+             });
+}
+
+// a [M, K] @ a gate/up weight in panels, N = 2 I (gate's I columns, then up's) -> out [M, I]: for each
+// pair of panels (gate's p and up's p), a group's 16 gate and 16 up columns go to a scratch block of the
+// thread's, in O as multiply would store them, and combine(gate, up, dst) writes each row's 16 outputs.
+// The [M, 2 I] product is never stored, nor read back.
+template <typename W, typename O, typename Combine>
+void gated_multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias,
+                    O* out, const Combine& combine) {
+  const int64_t pairs = num_panels / 2, width = pairs * kPanelColumns, panel_elements = k * kPanelColumns;
+  const int64_t group = row_group(k), widened = std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0;
+  constexpr int64_t kBlockColumns = 2 * kPanelColumns;  // a scratch row: 16 gate, then 16 up
+  const int64_t block_floats = (group * kBlockColumns * static_cast<int64_t>(sizeof(O)) + 3) / 4;
+  const bool fetch_ahead = fetches_ahead<W>(m);
+  over_units(m, k, pairs, 2 * panel_elements * static_cast<int64_t>(sizeof(W)), widened + block_floats,
+             [&](int64_t p, int64_t row0, int64_t rows, bool last, float* scratch) {
+               O* block = reinterpret_cast<O*>(scratch + widened);
+               for (int half = 0; half < 2; ++half) {  // gate, then up
+                 const int64_t index = half * pairs + p;
+                 const W* panel = panels + index * panel_elements;
+                 const char* ahead = fetch_ahead && !last ? reinterpret_cast<const char*>(panel + panel_elements)
+                                                          : nullptr;
+                 panel_block(a + row0 * k, rows, k, panel, bias != nullptr ? bias + index * kPanelColumns : nullptr,
+                             block + half * kPanelColumns, kBlockColumns, ahead, scratch);
+               }
+               for (int64_t r = 0; r < rows; ++r) {
+                 const O* gate = block + r * kBlockColumns;
+                 combine(gate, gate + kPanelColumns, out + (row0 + r) * width + p * kPanelColumns);
+               }
+             });
+}
+
+// The input's rows widened to a float32 [M, K], and its bias to float32 (undefined where there is none).
+inline std::pair<at::Tensor, at::Tensor> float_operands(const at::Tensor& input, const at::Tensor& panels,
+                                                        const c10::optional<at::Tensor>& bias, const char* name) {
+  const auto dtype = panels.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && input.scalar_type() == dtype, name,
+              ": float32 or bfloat16 input and panels, the same");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && panels.is_contiguous(), name,
+              ": panels must be [N/16, K, 16], contiguous");
+  const int64_t k = panels.size(1), n = panels.size(0) * kPanelColumns;
+  TORCH_CHECK(input.size(-1) == k, name, ": input has ", input.size(-1), " features, the weight ", k);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, name, ": bias has ", bias->numel(), " elements, the weight ", n, " columns");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  return {input.reshape({-1, k}).to(at::kFloat).contiguous(), bias_f};  // bfloat16 rows widened once
 }
 
 // x [..., K] @ W.T (+ bias [N]) -> [..., N], for W laid out in panels [N/16, K, 16] (cpu_prepack.panel_weight):
 // float32 throughout, or bfloat16 input, weight and output with the sums in float32, rounded once.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
-  const auto dtype = panels.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && input.scalar_type() == dtype,
-              "panel_linear: float32 or bfloat16 input and panels, the same");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && panels.is_contiguous(),
-              "panel_linear: panels must be [N/16, K, 16], contiguous");
-  const int64_t k = panels.size(1), num_panels = panels.size(0), n = num_panels * kPanelColumns;
-  TORCH_CHECK(input.size(-1) == k, "panel_linear: input has ", input.size(-1), " features, the weight ", k);
-  const at::Tensor x = input.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16 rows widened once
-  const int64_t m = x.size(0);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "panel_linear: bias has ", bias->numel(), " elements, the weight ", n, " columns");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const auto [x, bias_f] = float_operands(input, panels, bias, "panel_linear");
+  const int64_t k = panels.size(1), num_panels = panels.size(0), m = x.size(0);
   auto out_shape = input.sizes().vec();
-  out_shape.back() = n;
-  at::Tensor out = at::empty({m, n}, input.options());
+  out_shape.back() = num_panels * kPanelColumns;
+  at::Tensor out = at::empty({m, num_panels * kPanelColumns}, input.options());
   if (m == 0) return out.view(out_shape);
   const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) {
+  if (panels.scalar_type() == at::kFloat) {
     multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels, bias_ptr, out.data_ptr<float>());
   } else {
     multiply(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, bias_ptr,
              reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out.view(out_shape);
+}
+
+// x [..., K] against a gate/up weight in panels [2 I/16, K, 16] (+ bias [2 I]) -> [..., I], each output
+// combine(gate, up, dst) of 16 gate and 16 up columns as `linear` would store them (float32, or bfloat16 as
+// uint16_t bits). Where I is whole panels (an even number of them).
+template <typename Combine>
+at::Tensor gated(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                 const Combine& combine) {
+  const auto [x, bias_f] = float_operands(input, panels, bias, "panel_gated");
+  TORCH_CHECK(panels.size(0) % 2 == 0, "panel_gated: gate and up must each be whole panels");
+  const int64_t k = panels.size(1), num_panels = panels.size(0), m = x.size(0);
+  const int64_t width = num_panels / 2 * kPanelColumns;
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = width;
+  at::Tensor out = at::empty({m, width}, input.options());
+  if (m == 0) return out.view(out_shape);
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat) {
+    gated_multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels, bias_ptr, out.data_ptr<float>(),
+                   combine);
+  } else {
+    gated_multiply(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels,
+                   bias_ptr, reinterpret_cast<uint16_t*>(out.data_ptr()), combine);
   }
   return out.view(out_shape);
 }
