@@ -545,7 +545,7 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const int64_t element = k.element_size(), head_bytes = slots * bytes;
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t at_slot = h * head_bytes + slot[t] * bytes;
