@@ -79,32 +79,35 @@ inline void panel_rows(const float* a, const W* panel, int64_t k, const float* b
   // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  const float* a0 = a;
-  const float* a3 = Rows > 3 ? a + 3 * k : a;  // rows 3-5 from here
   if (ahead == nullptr) ahead_lines = 0;
-  const int64_t fetch_every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : 1;
-  int64_t next_fetch = 0, fetched = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = load8(panel + i * kPanelColumns);
-    const __m256 w1 = load8(panel + i * kPanelColumns + 8);
-    if (i == next_fetch && fetched < ahead_lines) {
-      _mm_prefetch(ahead + fetched * kCacheLine, _MM_HINT_T0);
-      ++fetched;
-      next_fetch += fetch_every;
-    }
+  // The K steps in stretches of fetch_every, each after one line of `ahead`, so that the steps themselves
+  // run without a branch. Row r's input for step i is at p[r * k]: two pointers walk rows 0 and 1, and
+  // every row is one of them plus 0, 2 or 4 rows (an address the load computes itself).
+  const int64_t fetch_every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : k;
+  const float* p0 = a;
+  const float* p1 = a + k;
+  const W* w = panel;
+  int64_t fetched = 0;
+  for (int64_t start = 0; start < k; start += fetch_every) {
+    if (fetched < ahead_lines) _mm_prefetch(ahead + fetched++ * kCacheLine, _MM_HINT_T0);
+    const W* stretch_end = panel + std::min(k, start + fetch_every) * kPanelColumns;
+    for (; w != stretch_end; w += kPanelColumns, ++p0, ++p1) {
+      const __m256 w0 = load8(w);
+      const __m256 w1 = load8(w + 8);
 #define LLMQ_PANEL_ROW(R, BASE, OFFSET)                          \
   if constexpr (Rows > R) {                                      \
-    const __m256 x = _mm256_broadcast_ss(BASE + OFFSET + i);     \
+    const __m256 x = _mm256_broadcast_ss(BASE + OFFSET);         \
     c##R##0 = _mm256_fmadd_ps(x, w0, c##R##0);                   \
     c##R##1 = _mm256_fmadd_ps(x, w1, c##R##1);                   \
   }
-    LLMQ_PANEL_ROW(0, a0, 0)
-    LLMQ_PANEL_ROW(1, a0, k)
-    LLMQ_PANEL_ROW(2, a0, 2 * k)
-    LLMQ_PANEL_ROW(3, a3, 0)
-    LLMQ_PANEL_ROW(4, a3, k)
-    LLMQ_PANEL_ROW(5, a3, 2 * k)
+      LLMQ_PANEL_ROW(0, p0, 0)
+      LLMQ_PANEL_ROW(1, p1, 0)
+      LLMQ_PANEL_ROW(2, p0, 2 * k)
+      LLMQ_PANEL_ROW(3, p1, 2 * k)
+      LLMQ_PANEL_ROW(4, p0, 4 * k)
+      LLMQ_PANEL_ROW(5, p1, 4 * k)
 #undef LLMQ_PANEL_ROW
+    }
   }
   const __m256 b0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
