@@ -274,6 +274,25 @@ def test_panel_products_agree_with_f_linear(rows, with_bias):
 
 
 @needs_panels
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_float32_panel_products_of_many_inputs_go_in_slices_and_sum_them_exactly(rows):
+    # 1,100 inputs: two whole slices of 512 and a part one; the bias is added once, after the last.
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(64, 1100, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    x = torch.randn(rows, 1100, generator=generator)
+    out = linear(x, panel_weight(weight), bias)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-3)
+    # The same sums as the slices' products added in order (each slice's float32 sums carried over).
+    by_slices = sum(linear(x[:, i:i + 512].contiguous(), panel_weight(weight[:, i:i + 512].contiguous()), None)
+                    for i in range(0, 1100, 512))
+    torch.testing.assert_close(out, by_slices + bias, rtol=1e-5, atol=1e-4)
+    projection = Linear(1100, 64, True, "cpu", torch.float32)
+    projection.weight.data, projection.bias = panel_weight(weight), torch.nn.Parameter(bias)
+    assert torch.equal(native_kernels().silu_and_mul_of(projection, x), native_kernels().silu_and_mul(out))
+
+
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 6, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_panel_products_agree_with_a_float32_product_rounded_once(rows, with_bias):

@@ -38,6 +38,11 @@ constexpr int kRows = 6;
 // A thread's panels are taken in runs of at most this many bytes, kept in its L2 while every group of
 // rows passes over them (the input rows of a group come from L1/L2 as well).
 constexpr int64_t kRunBytes = 192 * 1024;
+// A float32 product takes the inputs (K) this many at a time: a slice of a panel (32 KB) that every block
+// of rows of a group reads while it is in L1 and L2, beside the group's inputs for it. Unsliced, a panel
+// of large K (the 1.1 B model's down projection: 5,632 inputs, 352 KB) does not fit in L2 beside the next
+// one being fetched, and each group of rows read it from memory again.
+constexpr int64_t kSliceInputs = 512;
 constexpr int64_t kCacheLine = 64;
 
 // Eight of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
@@ -68,24 +73,36 @@ inline void store16(uint16_t* out, __m256 lo, __m256 hi) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
 }
 
-// Rows (at most kRows) rows of a (float32, [Rows, K] contiguous) times one panel [K, 16] of W (float32 or
-// bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given.
+// Rows (at most kRows) rows of a (float32, row stride lda) times one panel [K, 16] of W (float32 or
+// bfloat16) -> out's 16 columns of those rows (row stride ldo, in O), plus bias (16 values) where given;
+// added to what out holds where `accumulate` (a float32 output: an earlier slice's sums).
 // Where `ahead` is given, the pass also asks for ahead_lines cache lines from there (part of the next
 // panel) as it goes, evenly spaced over its K steps, so that they come from memory while this panel is
 // multiplied.
 template <int Rows, typename W, typename O>
-inline void panel_rows(const float* a, const W* panel, int64_t k, const float* bias, O* out,
-                       int64_t ldo, const char* ahead, int64_t ahead_lines) {
+inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, const float* bias, O* out,
+                       int64_t ldo, const char* ahead, int64_t ahead_lines, bool accumulate) {
   // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  if constexpr (std::is_same_v<O, float>) {
+    if (accumulate) {
+#define LLMQ_PANEL_SUMS(R)                                                       \
+  if constexpr (Rows > R) {                                                      \
+    c##R##0 = _mm256_loadu_ps(out + R * ldo);                                    \
+    c##R##1 = _mm256_loadu_ps(out + R * ldo + 8);                                \
+  }
+      LLMQ_PANEL_SUMS(0) LLMQ_PANEL_SUMS(1) LLMQ_PANEL_SUMS(2) LLMQ_PANEL_SUMS(3) LLMQ_PANEL_SUMS(4) LLMQ_PANEL_SUMS(5)
+#undef LLMQ_PANEL_SUMS
+    }
+  }
   if (ahead == nullptr) ahead_lines = 0;
   // The K steps in stretches of fetch_every, each after one line of `ahead`, so that the steps themselves
-  // run without a branch. Row r's input for step i is at p[r * k]: two pointers walk rows 0 and 1, and
+  // run without a branch. Row r's input for step i is at p[r * lda]: two pointers walk rows 0 and 1, and
   // every row is one of them plus 0, 2 or 4 rows (an address the load computes itself).
   const int64_t fetch_every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : k;
   const float* p0 = a;
-  const float* p1 = a + k;
+  const float* p1 = a + lda;
   const W* w = panel;
   int64_t fetched = 0;
   for (int64_t start = 0; start < k; start += fetch_every) {
@@ -102,10 +119,10 @@ inline void panel_rows(const float* a, const W* panel, int64_t k, const float* b
   }
       LLMQ_PANEL_ROW(0, p0, 0)
       LLMQ_PANEL_ROW(1, p1, 0)
-      LLMQ_PANEL_ROW(2, p0, 2 * k)
-      LLMQ_PANEL_ROW(3, p1, 2 * k)
-      LLMQ_PANEL_ROW(4, p0, 4 * k)
-      LLMQ_PANEL_ROW(5, p1, 4 * k)
+      LLMQ_PANEL_ROW(2, p0, 2 * lda)
+      LLMQ_PANEL_ROW(3, p1, 2 * lda)
+      LLMQ_PANEL_ROW(4, p0, 4 * lda)
+      LLMQ_PANEL_ROW(5, p1, 4 * lda)
 #undef LLMQ_PANEL_ROW
     }
   }
@@ -115,40 +132,57 @@ inline void panel_rows(const float* a, const W* panel, int64_t k, const float* b
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm256_add_ps(sums[r][0], b0), _mm256_add_ps(sums[r][1], b1));
 }
 
-// Rows of a times one panel into out, `rows` of them kRows at a time; the passes also fetch the
-// ahead_bytes at `ahead` (nullptr: none), each pass an equal share. Spread over every pass, not asked
+// The inputs a product of output O takes at a time (kSliceInputs): a float32 output holds a slice's sums
+// until the next adds to them; a bfloat16 one, rounded, cannot, and takes all of K at once.
+template <typename O>
+inline int64_t slice_inputs(int64_t k) {
+  return std::is_same_v<O, float> ? std::min(k, kSliceInputs) : k;
+}
+
+// Rows of a times one panel into out, a slice of K at a time (slice_inputs) and in each slice `rows` of
+// them kRows at a time; the passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an
+// equal share. Spread over every pass, not asked
 // for all at once in the first, the requests stay within what the core can have in flight to memory
 // (more are dropped or stall it), and the memory's transfers overlap all of the panel's arithmetic
 // (benchmarks/product_shapes.py measures products whose weights come from memory).
 template <typename W, typename O>
 inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
                              int64_t ldo, const char* ahead, int64_t ahead_bytes) {
+  const int64_t slice = slice_inputs<O>(k), slices = (k + slice - 1) / slice;
   const int64_t lines = ahead != nullptr ? (ahead_bytes + kCacheLine - 1) / kCacheLine : 0;
-  const int64_t passes = (rows + kRows - 1) / kRows, lines_per_pass = (lines + passes - 1) / passes;
-  for (int64_t r = 0; r < rows; r += kRows) {
-    const float* rows_a = a + r * k;
-    O* rows_out = out + r * ldo;
-    const int64_t first_line = std::min(lines, r / kRows * lines_per_pass);
-    const int64_t fetch_lines = std::min(lines_per_pass, lines - first_line);
-    const char* fetch = fetch_lines > 0 ? ahead + first_line * kCacheLine : nullptr;
-#define LLMQ_PANEL_ROWS(R)                                                       \
-  panel_rows<R>(rows_a, panel, k, bias, rows_out, ldo, fetch, fetch_lines); \
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  const int64_t lines_per_pass = (lines + blocks * slices - 1) / (blocks * slices);
+  for (int64_t first = 0; first < k; first += slice) {
+    const int64_t inputs = std::min(slice, k - first);
+    const W* panel_slice = panel + first * kPanelColumns;
+    const float* slice_bias = first + inputs == k ? bias : nullptr;  // added once, with the last slice
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const float* rows_a = a + r * k + first;
+      O* rows_out = out + r * ldo;
+      const int64_t pass = first / slice * blocks + r / kRows;
+      const int64_t first_line = std::min(lines, pass * lines_per_pass);
+      const int64_t fetch_lines = std::min(lines_per_pass, lines - first_line);
+      const char* fetch = fetch_lines > 0 ? ahead + first_line * kCacheLine : nullptr;
+#define LLMQ_PANEL_ROWS(R)                                                                                   \
+  panel_rows<R>(rows_a, k, panel_slice, inputs, slice_bias, rows_out, ldo, fetch, fetch_lines, first > 0); \
   break;
-    switch (std::min<int64_t>(kRows, rows - r)) {
-      case 1: LLMQ_PANEL_ROWS(1)
-      case 2: LLMQ_PANEL_ROWS(2)
-      case 3: LLMQ_PANEL_ROWS(3)
-      case 4: LLMQ_PANEL_ROWS(4)
-      case 5: LLMQ_PANEL_ROWS(5)
-      default: LLMQ_PANEL_ROWS(6)
-    }
+      switch (std::min<int64_t>(kRows, rows - r)) {
+        case 1: LLMQ_PANEL_ROWS(1)
+        case 2: LLMQ_PANEL_ROWS(2)
+        case 3: LLMQ_PANEL_ROWS(3)
+        case 4: LLMQ_PANEL_ROWS(4)
+        case 5: LLMQ_PANEL_ROWS(5)
+        default: LLMQ_PANEL_ROWS(6)
+      }
 #undef LLMQ_PANEL_ROWS
+    }
   }
 }
 
-// The rows that pass over a run of panels together: as many as keep their inputs beside the run in L2.
-inline int64_t row_group(int64_t k) {
-  return std::max<int64_t>(kRows, (kRunBytes / (k * 4)) / kRows * kRows);
+// The rows that pass over a run of panels together: as many as keep their inputs for a slice of
+// `inputs` beside the run in L2.
+inline int64_t row_group(int64_t inputs) {
+  return std::max<int64_t>(kRows, (kRunBytes / (inputs * 4)) / kRows * kRows);
 }
 
 // A bfloat16 panel [K, 16] widened to float32 into `to`.
@@ -158,10 +192,12 @@ inline void widen(const uint16_t* panel, int64_t k, float* to) {
 
 // The loop both products share. Units are panels, or gate/up pairs of panels, `unit_bytes` each, of which
 // each thread takes a contiguous share; visit(unit, row0, rows, last_of_share, scratch) multiplies rows
-// row0 .. row0 + rows - 1 by one unit. `scratch` is the thread's own `scratch_floats` floats.
+// row0 .. row0 + rows - 1 (at most `group` of them) by one unit. `scratch` is the thread's own
+// `scratch_floats` floats.
 template <typename Visit>
-void over_units(int64_t m, int64_t k, int64_t units, int64_t unit_bytes, int64_t scratch_floats, const Visit& visit) {
-  const int64_t run = std::max<int64_t>(1, kRunBytes / unit_bytes), group = row_group(k);
+void over_units(int64_t m, int64_t group, int64_t units, int64_t unit_bytes, int64_t scratch_floats,
+                const Visit& visit) {
+  const int64_t run = std::max<int64_t>(1, kRunBytes / unit_bytes);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_floats);
     for (int64_t first = begin; first < end; first += run) {
@@ -203,7 +239,7 @@ template <typename W, typename O>
 void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias, O* out) {
   const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
   const bool fetch_ahead = fetches_ahead<W>(m);
-  over_units(m, k, num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
+  over_units(m, row_group(slice_inputs<O>(k)), num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
              std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0,
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* widened) {
                const W* panel = panels + p * panel_elements;
@@ -221,11 +257,12 @@ template <typename W, typename O, typename Combine>
 void gated_multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias,
                     O* out, const Combine& combine) {
   const int64_t pairs = num_panels / 2, width = pairs * kPanelColumns, panel_elements = k * kPanelColumns;
-  const int64_t group = row_group(k), widened = std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0;
+  const int64_t group = row_group(slice_inputs<O>(k));
+  const int64_t widened = std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0;
   constexpr int64_t kBlockColumns = 2 * kPanelColumns;  // a scratch row: 16 gate, then 16 up
   const int64_t block_floats = (group * kBlockColumns * static_cast<int64_t>(sizeof(O)) + 3) / 4;
   const bool fetch_ahead = fetches_ahead<W>(m);
-  over_units(m, k, pairs, 2 * panel_elements * static_cast<int64_t>(sizeof(W)), widened + block_floats,
+  over_units(m, group, pairs, 2 * panel_elements * static_cast<int64_t>(sizeof(W)), widened + block_floats,
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* scratch) {
                O* block = reinterpret_cast<O*>(scratch + widened);
                for (int half = 0; half < 2; ++half) {  // gate, then up
