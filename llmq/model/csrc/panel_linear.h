@@ -141,10 +141,10 @@ inline int64_t slice_inputs(int64_t k) {
 
 // Rows of a times one panel into out, a slice of K at a time (slice_inputs) and in each slice `rows` of
 // them kRows at a time; the passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an
-// equal share. Spread over every pass, not asked
-// for all at once in the first, the requests stay within what the core can have in flight to memory
-// (more are dropped or stall it), and the memory's transfers overlap all of the panel's arithmetic
-// (benchmarks/product_shapes.py measures products whose weights come from memory).
+// equal share. Spread over every pass, not asked for all at once in the first, the requests stay within
+// what the core can have in flight to memory (more are dropped or stall it), and the memory's transfers
+// overlap all of the panel's arithmetic (benchmarks/product_shapes.py measures products whose weights
+// come from memory).
 template <typename W, typename O>
 inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
                              int64_t ldo, const char* ahead, int64_t ahead_bytes) {
