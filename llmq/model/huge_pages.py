@@ -27,8 +27,7 @@ _warned = False
 def huge_page_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled, contiguous CPU tensor of `shape` in a mapping of its own, 2 MiB-aligned and asked
     for huge pages. The tensor keeps the mapping alive; it is unmapped when the tensor's storage goes."""
-    element = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * element
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than asked for, so that the tensor can start on a 2 MiB boundary: only whole,

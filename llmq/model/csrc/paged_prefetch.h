@@ -7,22 +7,11 @@
 namespace llmq_prefetch {
 
 // Every line of the cache blocks that one (sequence, KV head) reads: its `length` tokens through `table`,
-// each block `block_bytes` long from the head's start (k_head, v_head). Into L2, while the piece before it
-// computes: its blocks lie anywhere in the cache, where the hardware's prefetcher cannot see them coming.
-inline void context_to_l2(const char* k_head, const char* v_head, const int32_t* table, int64_t length,
-                          int64_t block_size, int64_t block_bytes) {
-  for (int64_t block = 0; block * block_size < length; ++block) {
-    const int64_t start = static_cast<int64_t>(table[block]) * block_bytes;
-    for (int64_t offset = 0; offset < block_bytes; offset += 64) {
-      __builtin_prefetch(k_head + start + offset, 0, 2);
-      __builtin_prefetch(v_head + start + offset, 0, 2);
-    }
-  }
-}
-
-// The same lines, asked for a few at a time (`next`) while the piece before computes, in the order they
-// will be read: asked for all at once, most requests find the core's queue to memory full and are dropped
-// (on an AVX2 EPYC, decode attention took as long as with none at all).
+// each block `block_bytes` long from the head's start (k_head, v_head), asked for into L2 a few at a time
+// (`next`) while the piece before it computes, in the order they will be read: its blocks lie anywhere in
+// the cache, where the hardware's prefetcher cannot see them coming. Asked for all at once, most requests
+// find the core's queue to memory full and are dropped (on an AVX2 EPYC, decode attention took as long as
+// with none at all).
 class ContextFetch {
  public:
   ContextFetch() = default;
@@ -54,6 +43,13 @@ class ContextFetch {
   const int32_t* table_ = nullptr;
   int64_t blocks_ = 0, block_bytes_ = 0, block_ = 0, offset_ = 0;
 };
+
+// All of one (sequence, KV head)'s lines at once (ContextFetch's, in one go).
+inline void context_to_l2(const char* k_head, const char* v_head, const int32_t* table, int64_t length,
+                          int64_t block_size, int64_t block_bytes) {
+  ContextFetch all(k_head, v_head, table, length, block_size, block_bytes);
+  all.next(all.lines());
+}
 
 // Whether query n is the first to read its block table row (query_tables[n], or n's own where there are
 // none): a decode always is; a prompt chunk's later tokens re-read the blocks their predecessor just read,

@@ -208,16 +208,30 @@ void over_units(int64_t m, int64_t group, int64_t units, int64_t unit_bytes, int
   });
 }
 
-// Rows of a [rows, K] times one panel into out (row stride ldo), as multiply does it: a bfloat16 panel that
-// more than one block of rows reads is widened once into `widened` (a panel's worth of floats), which they
-// all read: widening as it is read costs each block about as much again as its multiply-adds. `ahead`:
-// the next panel of the thread's share, fetched while this one multiplies (nullptr: none).
+// Whether a bfloat16 panel is widened once into float32 before `rows` rows read it: where more than one
+// block of rows reads it, since widening as it is read costs each block about as much again as its
+// multiply-adds.
+template <typename W>
+inline bool widens(int64_t rows) {
+  return std::is_same_v<W, uint16_t> && rows > kRows;
+}
+
+// The floats panel_block needs for a widened panel in a product of m rows and k inputs (none where it
+// never widens).
+template <typename W>
+inline int64_t widened_floats(int64_t m, int64_t k) {
+  return widens<W>(m) ? k * kPanelColumns : 0;
+}
+
+// Rows of a [rows, K] times one panel into out (row stride ldo), as multiply does it: a panel that widens
+// goes first into `widened` (widened_floats of them), which every block reads. `ahead`: the next panel
+// of the thread's share, fetched while this one multiplies (nullptr: none).
 template <typename W, typename O>
 inline void panel_block(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
                         int64_t ldo, const char* ahead, float* widened) {
   const int64_t panel_bytes = k * kPanelColumns * static_cast<int64_t>(sizeof(W));
   if constexpr (std::is_same_v<W, uint16_t>) {
-    if (rows > kRows) {
+    if (widens<W>(rows)) {
       widen(panel, k, widened);
       panel_times_rows(a, rows, k, static_cast<const float*>(widened), bias, out, ldo, ahead, panel_bytes);
       return;
@@ -240,7 +254,7 @@ void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num
   const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
   const bool fetch_ahead = fetches_ahead<W>(m);
   over_units(m, row_group(slice_inputs<O>(k)), num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
-             std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0,
+             widened_floats<W>(m, k),
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* widened) {
                const W* panel = panels + p * panel_elements;
                const char* ahead = fetch_ahead && !last ? reinterpret_cast<const char*>(panel + panel_elements) : nullptr;
@@ -258,7 +272,7 @@ void gated_multiply(const float* a, int64_t m, int64_t k, const W* panels, int64
                     O* out, const Combine& combine) {
   const int64_t pairs = num_panels / 2, width = pairs * kPanelColumns, panel_elements = k * kPanelColumns;
   const int64_t group = row_group(slice_inputs<O>(k));
-  const int64_t widened = std::is_same_v<W, uint16_t> && m > kRows ? panel_elements : 0;
+  const int64_t widened = widened_floats<W>(m, k);
   constexpr int64_t kBlockColumns = 2 * kPanelColumns;  // a scratch row: 16 gate, then 16 up
   const int64_t block_floats = (group * kBlockColumns * static_cast<int64_t>(sizeof(O)) + 3) / 4;
   const bool fetch_ahead = fetches_ahead<W>(m);
