@@ -274,6 +274,21 @@ def test_panel_products_agree_with_f_linear(rows, with_bias):
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_products_give_each_row_the_same_sums_whatever_rows_share_its_call(dtype):
+    # However a call's rows are split into blocks (every count up to 40, and past a float32 row group of
+    # 96), each row's sums run over its inputs in the same order: its output is the one it gets alone.
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 2048, generator=generator).to(dtype)
+    x = torch.randn(130, 2048, generator=generator).to(dtype)
+    panels = panel_weight(weight)
+    alone = torch.cat([linear(x[i:i + 1], panels, None) for i in range(x.shape[0])])
+    torch.testing.assert_close(alone.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=1e-2)
+    for rows in [*range(1, 41), 97, 130]:
+        assert torch.equal(linear(x[:rows], panels, None), alone[:rows]), rows
+
+
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_float32_panel_products_of_many_inputs_go_in_slices_and_sum_them_exactly(rows):
     # 1,100 inputs: two whole slices of 512 and a part one; the bias is added once, after the last.

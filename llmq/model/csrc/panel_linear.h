@@ -140,8 +140,10 @@ inline int64_t slice_inputs(int64_t k) {
 }
 
 // Rows of a times one panel into out, a slice of K at a time (slice_inputs) and in each slice `rows` of
-// them kRows at a time; the passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an
-// equal share. Spread over every pass, not asked for all at once in the first, the requests stay within
+// them in blocks of at most kRows, as even as they divide: 26 rows go as 6+5+5+5+5, not 6+6+6+6+2. A block
+// of few rows has too few sums for the multiply-adds in flight to hide each one's latency (its chain of
+// sums waits on itself), so it costs nearly what a full block does; blocks of 5 cost no more per row than
+// blocks of 6. The passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an equal share. Spread over every pass, not asked for all at once in the first, the requests stay within
 // what the core can have in flight to memory (more are dropped or stall it), and the memory's transfers
 // overlap all of the panel's arithmetic (benchmarks/product_shapes.py measures products whose weights
 // come from memory).
@@ -156,17 +158,19 @@ inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* p
     const int64_t inputs = std::min(slice, k - first);
     const W* panel_slice = panel + first * kPanelColumns;
     const float* slice_bias = first + inputs == k ? bias : nullptr;  // added once, with the last slice
-    for (int64_t r = 0; r < rows; r += kRows) {
+    for (int64_t block = 0, r = 0; block < blocks; ++block) {
+      const int64_t block_rows = rows / blocks + (block < rows % blocks ? 1 : 0);
       const float* rows_a = a + r * k + first;
       O* rows_out = out + r * ldo;
-      const int64_t pass = first / slice * blocks + r / kRows;
+      r += block_rows;
+      const int64_t pass = first / slice * blocks + block;
       const int64_t first_line = std::min(lines, pass * lines_per_pass);
       const int64_t fetch_lines = std::min(lines_per_pass, lines - first_line);
       const char* fetch = fetch_lines > 0 ? ahead + first_line * kCacheLine : nullptr;
 #define LLMQ_PANEL_ROWS(R)                                                                                   \
   panel_rows<R>(rows_a, k, panel_slice, inputs, slice_bias, rows_out, ldo, fetch, fetch_lines, first > 0); \
   break;
-      switch (std::min<int64_t>(kRows, rows - r)) {
+      switch (block_rows) {
         case 1: LLMQ_PANEL_ROWS(1)
         case 2: LLMQ_PANEL_ROWS(2)
         case 3: LLMQ_PANEL_ROWS(3)
