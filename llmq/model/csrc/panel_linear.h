@@ -316,23 +316,41 @@ inline std::pair<at::Tensor, at::Tensor> float_operands(const at::Tensor& input,
   return {input.reshape({-1, k}).to(at::kFloat).contiguous(), bias_f};  // bfloat16 rows widened once
 }
 
+// Calls run(weights, out) with the panels' and out's data as the element types the products take: float
+// for float32, uint16_t (bfloat16 bits) for bfloat16.
+template <typename Run>
+inline void with_element_types(const at::Tensor& panels, at::Tensor& out, const Run& run) {
+  if (panels.scalar_type() == at::kFloat) {
+    run(static_cast<const float*>(panels.data_ptr<float>()), out.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<const uint16_t*>(panels.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+}
+
+// An input [..., K]'s product of `width` outputs a row: filled by fill(x, bias, out) with x the input's rows
+// as a float32 [M, K], bias float32 (nullptr: none) and out [M, width] in the input's dtype; returned as
+// [..., width].
+template <typename Fill>
+inline at::Tensor product_of(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                             int64_t width, const char* name, const Fill& fill) {
+  const auto [x, bias_f] = float_operands(input, panels, bias, name);
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = width;
+  at::Tensor out = at::empty({x.size(0), width}, input.options());
+  if (x.size(0) > 0) fill(x, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+  return out.view(out_shape);
+}
+
 // x [..., K] @ W.T (+ bias [N]) -> [..., N], for W laid out in panels [N/16, K, 16] (cpu_prepack.panel_weight):
 // float32 throughout, or bfloat16 input, weight and output with the sums in float32, rounded once.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
-  const auto [x, bias_f] = float_operands(input, panels, bias, "panel_linear");
-  const int64_t k = panels.size(1), num_panels = panels.size(0), m = x.size(0);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = num_panels * kPanelColumns;
-  at::Tensor out = at::empty({m, num_panels * kPanelColumns}, input.options());
-  if (m == 0) return out.view(out_shape);
-  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kFloat) {
-    multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels, bias_ptr, out.data_ptr<float>());
-  } else {
-    multiply(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels, bias_ptr,
-             reinterpret_cast<uint16_t*>(out.data_ptr()));
-  }
-  return out.view(out_shape);
+  const int64_t num_panels = panels.size(0);
+  return product_of(input, panels, bias, num_panels * kPanelColumns, "panel_linear",
+                    [&](const at::Tensor& x, const float* bias_ptr, at::Tensor& out) {
+                      with_element_types(panels, out, [&](const auto* weights, auto* dst) {
+                        multiply(x.data_ptr<float>(), x.size(0), panels.size(1), weights, num_panels, bias_ptr, dst);
+                      });
+                    });
 }
 
 // x [..., K] against a gate/up weight in panels [2 I/16, K, 16] (+ bias [2 I]) -> [..., I], each output
@@ -341,23 +359,16 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, cons
 template <typename Combine>
 at::Tensor gated(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                  const Combine& combine) {
-  const auto [x, bias_f] = float_operands(input, panels, bias, "panel_gated");
-  TORCH_CHECK(panels.size(0) % 2 == 0, "panel_gated: gate and up must each be whole panels");
-  const int64_t k = panels.size(1), num_panels = panels.size(0), m = x.size(0);
-  const int64_t width = num_panels / 2 * kPanelColumns;
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = width;
-  at::Tensor out = at::empty({m, width}, input.options());
-  if (m == 0) return out.view(out_shape);
-  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kFloat) {
-    gated_multiply(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), num_panels, bias_ptr, out.data_ptr<float>(),
-                   combine);
-  } else {
-    gated_multiply(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), num_panels,
-                   bias_ptr, reinterpret_cast<uint16_t*>(out.data_ptr()), combine);
-  }
-  return out.view(out_shape);
+  // (Panels of another shape are float_operands' error.)
+  TORCH_CHECK(panels.dim() != 3 || panels.size(0) % 2 == 0, "panel_gated: gate and up must each be whole panels");
+  const int64_t num_panels = panels.size(0);
+  return product_of(input, panels, bias, num_panels / 2 * kPanelColumns, "panel_gated",
+                    [&](const at::Tensor& x, const float* bias_ptr, at::Tensor& out) {
+                      with_element_types(panels, out, [&](const auto* weights, auto* dst) {
+                        gated_multiply(x.data_ptr<float>(), x.size(0), panels.size(1), weights, num_panels, bias_ptr,
+                                       dst, combine);
+                      });
+                    });
 }
 
 }  // namespace llmq_panels
