@@ -192,7 +192,7 @@ TORCH_KERNELS = TorchKernels()
 
 
 def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
-    """Each row's argmax (the first of equals) in one pass of the fused kernels, for CPU logits
+    """Each row's argmax (the first of equals) in one call of the fused kernels, for CPU logits
     [S, V] in float32 or bfloat16 with contiguous rows; None where they are not loaded (this does not
     build them) or do not take these logits, and the caller computes it another way."""
     if (_loaded is None or not hasattr(_loaded._ops, "argmax_rows") or not logits.is_cpu or logits.dim() != 2

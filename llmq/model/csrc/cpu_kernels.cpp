@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #define LLMQ_HAS_ARGMAX_ROWS 1
 #include <immintrin.h>
 #endif
@@ -559,6 +559,7 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 
 #ifdef LLMQ_HAS_ARGMAX_ROWS
 
+#if defined(__AVX512F__)
 // 16 elements from p as float32: bfloat16 is the high half of a float32.
 inline __m512 load16(const at::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -603,6 +604,57 @@ void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
     }
   });
 }
+
+#else
+// 8 elements from p as float32: bfloat16 is the high half of a float32.
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// As above, on AVX2, in two passes over each row: its maximum, in four independent running maxima (one
+// alone would wait on its own latency every step), then the first element equal to it, found eight at a
+// time while the row is still in L2. NaN never wins here either: max_ps keeps its second operand.
+template <typename scalar_t>
+void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const scalar_t* data = x.data_ptr<scalar_t>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* row = data + r * stride;
+      const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+      int64_t j = 0;
+      for (; j + 32 <= n; j += 32) {
+        m0 = _mm256_max_ps(load8(row + j), m0);
+        m1 = _mm256_max_ps(load8(row + j + 8), m1);
+        m2 = _mm256_max_ps(load8(row + j + 16), m2);
+        m3 = _mm256_max_ps(load8(row + j + 24), m3);
+      }
+      for (; j + 8 <= n; j += 8) m0 = _mm256_max_ps(load8(row + j), m0);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+      float top = *std::max_element(lanes, lanes + 8);
+      for (; j < n; ++j) top = std::max(top, static_cast<float>(row[j]));  // NaN: std::max keeps top
+      int64_t index = 0;  // where nothing equals top (every element NaN), as the AVX-512 kernel says
+      const __m256 target = _mm256_set1_ps(top);
+      for (j = 0; j + 8 <= n; j += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + j), target, _CMP_EQ_OQ));
+        if (hits != 0) break;
+      }
+      for (; j < n; ++j) {
+        if (static_cast<float>(row[j]) == top) {
+          index = j;
+          break;
+        }
+      }
+      result[r] = index;
+    }
+  });
+}
+#endif
 
 // x [S, V] float32 or bfloat16, rows of contiguous values -> int64 [S]: each row's argmax, first of equals.
 torch::Tensor argmax_rows(const torch::Tensor& x) {
