@@ -24,12 +24,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#include "panel_linear.h"
+
+// argmax_rows: on AVX-512, or on AVX2 where panel_linear.h is built (its widening loads).
+#if defined(__AVX512F__) || defined(LLMQ_HAS_PANEL_LINEAR)
 #define LLMQ_HAS_ARGMAX_ROWS 1
 #include <immintrin.h>
 #endif
-
-#include "panel_linear.h"
 #include "tiled_linear.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
@@ -606,12 +607,9 @@ void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
 }
 
 #else
-// 8 elements from p as float32: bfloat16 is the high half of a float32.
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// 8 elements from p as float32 (panel_linear.h's loads: bfloat16 is the high half of a float32).
+inline __m256 load8(const at::BFloat16* p) { return llmq_panels::load8(reinterpret_cast<const uint16_t*>(p)); }
+inline __m256 load8(const float* p) { return llmq_panels::load8(p); }
 
 // As above, on AVX2, in two passes over each row: its maximum, in four independent running maxima (one
 // alone would wait on its own latency every step), then the first element equal to it, found eight at a

@@ -143,8 +143,9 @@ inline int64_t slice_inputs(int64_t k) {
 // them in blocks of at most kRows, as even as they divide: 26 rows go as 6+5+5+5+5, not 6+6+6+6+2. A block
 // of few rows has too few sums for the multiply-adds in flight to hide each one's latency (its chain of
 // sums waits on itself), so it costs nearly what a full block does; blocks of 5 cost no more per row than
-// blocks of 6. The passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an equal share. Spread over every pass, not asked for all at once in the first, the requests stay within
-// what the core can have in flight to memory (more are dropped or stall it), and the memory's transfers
+// blocks of 6. The passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an equal
+// share. Spread over every pass, not asked for all at once in the first, the requests stay within what
+// the core can have in flight to memory (more are dropped or stall it), and the memory's transfers
 // overlap all of the panel's arithmetic (benchmarks/product_shapes.py measures products whose weights
 // come from memory).
 template <typename W, typename O>
