@@ -568,42 +568,34 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-// The index of each row's largest value, the first of equals, in one pass over the row: each of 16 lanes
+// The index of a row's largest value, the first of equals, in one pass over the row: each of 16 lanes
 // keeps the first maximum of the elements it saw, then the lanes agree. The tail, after every lane's
 // elements, replaces the maximum only where strictly larger. NaN never wins (torch.argmax would pick it).
 template <typename scalar_t>
-void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  const scalar_t* data = x.data_ptr<scalar_t>();
-  int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* row = data + r * stride;
-      __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __m512i best_at = _mm512_setzero_si512(), at = lanes;
-      const __m512i sixteen = _mm512_set1_epi32(16);
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) {
-        const __m512 v = load16(row + j);
-        const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-        best = _mm512_mask_mov_ps(best, larger, v);
-        best_at = _mm512_mask_mov_epi32(best_at, larger, at);
-        at = _mm512_add_epi32(at, sixteen);
-      }
-      float top = _mm512_reduce_max_ps(best);
-      const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-      int64_t index = holders ? _mm512_mask_reduce_min_epi32(holders, best_at) : 0;
-      for (; j < n; ++j) {
-        const float v = static_cast<float>(row[j]);
-        if (v > top) {
-          top = v;
-          index = j;
-        }
-      }
-      result[r] = index;
+int64_t row_argmax(const scalar_t* row, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_at = _mm512_setzero_si512();
+  __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = load16(row + j);
+    const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, larger, v);
+    best_at = _mm512_mask_mov_epi32(best_at, larger, at);
+    at = _mm512_add_epi32(at, sixteen);
+  }
+  float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  int64_t index = holders ? _mm512_mask_reduce_min_epi32(holders, best_at) : 0;
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(row[j]);
+    if (v > top) {
+      top = v;
+      index = j;
     }
-  });
+  }
+  return index;
 }
 
 #else
@@ -611,48 +603,46 @@ void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
 inline __m256 load8(const at::BFloat16* p) { return llmq_panels::load8(reinterpret_cast<const uint16_t*>(p)); }
 inline __m256 load8(const float* p) { return llmq_panels::load8(p); }
 
-// As above, on AVX2, in two passes over each row: its maximum, in four independent running maxima (one
+// As above, on AVX2, in two passes over the row: its maximum, in four independent running maxima (one
 // alone would wait on its own latency every step), then the first element equal to it, found eight at a
 // time while the row is still in L2. NaN never wins here either: max_ps keeps its second operand.
 template <typename scalar_t>
-void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  const scalar_t* data = x.data_ptr<scalar_t>();
-  int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* row = data + r * stride;
-      const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      __m256 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
-      int64_t j = 0;
-      for (; j + 32 <= n; j += 32) {
-        m0 = _mm256_max_ps(load8(row + j), m0);
-        m1 = _mm256_max_ps(load8(row + j + 8), m1);
-        m2 = _mm256_max_ps(load8(row + j + 16), m2);
-        m3 = _mm256_max_ps(load8(row + j + 24), m3);
-      }
-      for (; j + 8 <= n; j += 8) m0 = _mm256_max_ps(load8(row + j), m0);
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
-      float top = *std::max_element(lanes, lanes + 8);
-      for (; j < n; ++j) top = std::max(top, static_cast<float>(row[j]));  // NaN: std::max keeps top
-      int64_t index = 0;  // where nothing equals top (every element NaN), as the AVX-512 kernel says
-      const __m256 target = _mm256_set1_ps(top);
-      for (j = 0; j + 8 <= n; j += 8) {
-        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + j), target, _CMP_EQ_OQ));
-        if (hits != 0) break;
-      }
-      for (; j < n; ++j) {
-        if (static_cast<float>(row[j]) == top) {
-          index = j;
-          break;
-        }
-      }
-      result[r] = index;
-    }
-  });
+int64_t row_argmax(const scalar_t* row, int64_t n) {
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    m0 = _mm256_max_ps(load8(row + j), m0);
+    m1 = _mm256_max_ps(load8(row + j + 8), m1);
+    m2 = _mm256_max_ps(load8(row + j + 16), m2);
+    m3 = _mm256_max_ps(load8(row + j + 24), m3);
+  }
+  for (; j + 8 <= n; j += 8) m0 = _mm256_max_ps(load8(row + j), m0);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; j < n; ++j) top = std::max(top, static_cast<float>(row[j]));  // NaN: std::max keeps top
+  const __m256 target = _mm256_set1_ps(top);
+  for (j = 0; j + 8 <= n; j += 8) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(load8(row + j), target, _CMP_EQ_OQ)) != 0) break;
+  }
+  for (; j < n; ++j) {
+    if (static_cast<float>(row[j]) == top) return j;
+  }
+  return 0;  // nothing equals top (every element NaN), as the AVX-512 kernel says
 }
 #endif
+
+// Each row's row_argmax, the rows shared between the threads.
+template <typename scalar_t>
+void argmax_rows_kernel(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t n = x.size(1), stride = x.stride(0);
+  const scalar_t* data = x.data_ptr<scalar_t>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) result[r] = row_argmax(data + r * stride, n);
+  });
+}
 
 // x [S, V] float32 or bfloat16, rows of contiguous values -> int64 [S]: each row's argmax, first of equals.
 torch::Tensor argmax_rows(const torch::Tensor& x) {
