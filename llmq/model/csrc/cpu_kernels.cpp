@@ -782,11 +782,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
 // panels) the product and then silu_and_mul.
 torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up,
                             const c10::optional<torch::Tensor>& bias) {
-  if (gate_up.is_mkldnn()) return silu_and_mul(product(x, gate_up, bias));
-  if (gate_up.dim() == 3) {
-    if (gate_up.size(0) % 2 == 0) return panel_silu_and_mul(x, gate_up, bias);
-    return silu_and_mul(product(x, gate_up, bias));
-  }
+  if (gate_up.dim() == 3 && gate_up.size(0) % 2 == 0) return panel_silu_and_mul(x, gate_up, bias);
+  if (gate_up.is_mkldnn() || gate_up.dim() == 3) return silu_and_mul(product(x, gate_up, bias));
   return tiled_silu_and_mul(x, gate_up, bias);
 }
 

@@ -229,12 +229,13 @@ inline int64_t widened_floats(int64_t m, int64_t k) {
 }
 
 // Rows of a [rows, K] times one panel into out (row stride ldo), as multiply does it: a panel that widens
-// goes first into `widened` (widened_floats of them), which every block reads. `ahead`: the next panel
-// of the thread's share, fetched while this one multiplies (nullptr: none).
+// goes first into `widened` (widened_floats of them), which every block reads. Where `fetch_next`, the
+// panel after it in memory (the next of the thread's share) is fetched while this one multiplies.
 template <typename W, typename O>
 inline void panel_block(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
-                        int64_t ldo, const char* ahead, float* widened) {
+                        int64_t ldo, bool fetch_next, float* widened) {
   const int64_t panel_bytes = k * kPanelColumns * static_cast<int64_t>(sizeof(W));
+  const char* ahead = fetch_next ? reinterpret_cast<const char*>(panel) + panel_bytes : nullptr;
   if constexpr (std::is_same_v<W, uint16_t>) {
     if (widens<W>(rows)) {
       widen(panel, k, widened);
@@ -261,10 +262,9 @@ void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num
   over_units(m, row_group(slice_inputs<O>(k)), num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
              widened_floats<W>(m, k),
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* widened) {
-               const W* panel = panels + p * panel_elements;
-               const char* ahead = fetch_ahead && !last ? reinterpret_cast<const char*>(panel + panel_elements) : nullptr;
-               panel_block(a + row0 * k, rows, k, panel, bias != nullptr ? bias + p * kPanelColumns : nullptr,
-                           out + row0 * n + p * kPanelColumns, n, ahead, widened);
+               panel_block(a + row0 * k, rows, k, panels + p * panel_elements,
+                           bias != nullptr ? bias + p * kPanelColumns : nullptr, out + row0 * n + p * kPanelColumns, n,
+                           fetch_ahead && !last, widened);
              });
 }
 
@@ -286,11 +286,9 @@ void gated_multiply(const float* a, int64_t m, int64_t k, const W* panels, int64
                O* block = reinterpret_cast<O*>(scratch + widened);
                for (int half = 0; half < 2; ++half) {  // gate, then up
                  const int64_t index = half * pairs + p;
-                 const W* panel = panels + index * panel_elements;
-                 const char* ahead = fetch_ahead && !last ? reinterpret_cast<const char*>(panel + panel_elements)
-                                                          : nullptr;
-                 panel_block(a + row0 * k, rows, k, panel, bias != nullptr ? bias + index * kPanelColumns : nullptr,
-                             block + half * kPanelColumns, kBlockColumns, ahead, scratch);
+                 panel_block(a + row0 * k, rows, k, panels + index * panel_elements,
+                             bias != nullptr ? bias + index * kPanelColumns : nullptr, block + half * kPanelColumns,
+                             kBlockColumns, fetch_ahead && !last, scratch);
                }
                for (int64_t r = 0; r < rows; ++r) {
                  const O* gate = block + r * kBlockColumns;
@@ -317,28 +315,26 @@ inline std::pair<at::Tensor, at::Tensor> float_operands(const at::Tensor& input,
   return {input.reshape({-1, k}).to(at::kFloat).contiguous(), bias_f};  // bfloat16 rows widened once
 }
 
-// Calls run(weights, out) with the panels' and out's data as the element types the products take: float
-// for float32, uint16_t (bfloat16 bits) for bfloat16.
-template <typename Run>
-inline void with_element_types(const at::Tensor& panels, at::Tensor& out, const Run& run) {
-  if (panels.scalar_type() == at::kFloat) {
-    run(static_cast<const float*>(panels.data_ptr<float>()), out.data_ptr<float>());
-  } else {
-    run(reinterpret_cast<const uint16_t*>(panels.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()));
-  }
-}
-
-// An input [..., K]'s product of `width` outputs a row: filled by fill(x, bias, out) with x the input's rows
-// as a float32 [M, K], bias float32 (nullptr: none) and out [M, width] in the input's dtype; returned as
+// An input [..., K]'s product of `width` outputs a row: fill(x, m, k, weights, bias, out) with x the
+// input's rows as a float32 [m, k], the panels' and out's data as the element types the products take
+// (float for float32, uint16_t bfloat16 bits for bfloat16), bias float32 (nullptr: none); returned as
 // [..., width].
 template <typename Fill>
 inline at::Tensor product_of(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                              int64_t width, const char* name, const Fill& fill) {
   const auto [x, bias_f] = float_operands(input, panels, bias, name);
+  const int64_t m = x.size(0), k = panels.size(1);
   auto out_shape = input.sizes().vec();
   out_shape.back() = width;
-  at::Tensor out = at::empty({x.size(0), width}, input.options());
-  if (x.size(0) > 0) fill(x, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+  at::Tensor out = at::empty({m, width}, input.options());
+  if (m == 0) return out.view(out_shape);
+  const float* bias_ptr = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kFloat) {
+    fill(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), bias_ptr, out.data_ptr<float>());
+  } else {
+    fill(x.data_ptr<float>(), m, k, reinterpret_cast<const uint16_t*>(panels.data_ptr()), bias_ptr,
+         reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
   return out.view(out_shape);
 }
 
@@ -347,10 +343,8 @@ inline at::Tensor product_of(const at::Tensor& input, const at::Tensor& panels, 
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   const int64_t num_panels = panels.size(0);
   return product_of(input, panels, bias, num_panels * kPanelColumns, "panel_linear",
-                    [&](const at::Tensor& x, const float* bias_ptr, at::Tensor& out) {
-                      with_element_types(panels, out, [&](const auto* weights, auto* dst) {
-                        multiply(x.data_ptr<float>(), x.size(0), panels.size(1), weights, num_panels, bias_ptr, dst);
-                      });
+                    [&](const float* x, int64_t m, int64_t k, const auto* weights, const float* bias_ptr, auto* out) {
+                      multiply(x, m, k, weights, num_panels, bias_ptr, out);
                     });
 }
 
@@ -364,11 +358,8 @@ at::Tensor gated(const at::Tensor& input, const at::Tensor& panels, const c10::o
   TORCH_CHECK(panels.dim() != 3 || panels.size(0) % 2 == 0, "panel_gated: gate and up must each be whole panels");
   const int64_t num_panels = panels.size(0);
   return product_of(input, panels, bias, num_panels / 2 * kPanelColumns, "panel_gated",
-                    [&](const at::Tensor& x, const float* bias_ptr, at::Tensor& out) {
-                      with_element_types(panels, out, [&](const auto* weights, auto* dst) {
-                        gated_multiply(x.data_ptr<float>(), x.size(0), panels.size(1), weights, num_panels, bias_ptr,
-                                       dst, combine);
-                      });
+                    [&](const float* x, int64_t m, int64_t k, const auto* weights, const float* bias_ptr, auto* out) {
+                      gated_multiply(x, m, k, weights, num_panels, bias_ptr, out, combine);
                     });
 }
 
