@@ -8,7 +8,7 @@ allocations never ask. So the prepacked weights (llmq/model/cpu_prepack.py) and 
 allocated here: one anonymous mapping each, asked for huge pages before anything touches it.
 
 Where the platform has no such advice, or the kernel refuses it, the memory is the same mapping in
-ordinary pages: nothing else changes. `benchmarks/product_shapes.py --pages` measures the difference.
+ordinary pages: nothing else changes. README's CPU kernels section has what they were measured to save.
 """
 from __future__ import annotations
 
