@@ -5,8 +5,9 @@
 For bench-42m's shape (8 heads over 4 KV heads of 64) with 64 sequences of 115 tokens, and the 1.1 B
 model's (32 heads over 4) with 32 of 200, in bfloat16 and float32: microseconds per layer's call, with
 each sequence's blocks scattered over a large cache (as in a running engine) and with every block the
-same one (the cache's reads all from the CPU's caches: the arithmetic's share). Prints which code ran
-("avx512-bf16" or "vector") and the KV bytes read per second. 2 threads.
+same one (the cache's reads all from the CPU's caches: the arithmetic's share). The cache lies in huge
+pages, as the engine's does (llmq/model/huge_pages.py): in 4 KiB pages each scattered block costs a TLB
+miss. Prints which code ran ("avx512-bf16" or "vector") and the KV bytes read per second. 2 threads.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noqa: E402
+from llmq.model.huge_pages import huge_page_zeros  # noqa: E402
 
 SHAPES = {"bench-42m": dict(seqs=64, heads=8, kv_heads=4, head_dim=64, context=115),
           "llama-1b": dict(seqs=32, heads=32, kv_heads=4, head_dim=64, context=200)}
@@ -28,8 +30,9 @@ BLOCK_SIZE, NUM_BLOCKS, CALLS = 8, 20_000, 50
 def time_call(kernels, dtype, seqs, heads, kv_heads, head_dim, context, scattered: bool) -> float:
     """Best of 3 means over CALLS calls, in seconds."""
     generator = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+    k_cache, v_cache = (huge_page_zeros((kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim), dtype) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=generator))
     per_seq = -(-context // BLOCK_SIZE)
     blocks = torch.randperm(NUM_BLOCKS, generator=generator)[: seqs * per_seq] if scattered else torch.zeros(
         seqs * per_seq, dtype=torch.long)

@@ -302,6 +302,41 @@ inline void prefetch_block(const scalar_t* head, int32_t block, int64_t block_el
     __builtin_prefetch(start + offset);
 }
 
+// q's dot product with a key of kChunks vectors, as a vector whose lanes sum to it: two running sums
+// (kChunks > 1) so that no multiply-add waits on the one before it.
+template <int kChunks, typename scalar_t>
+inline fVec dot_lanes(const float* q, const scalar_t* key) {
+  if constexpr (kChunks == 1) {
+    return fVec::loadu(q) * load_f(key);
+  } else {
+    fVec even = fVec::loadu(q) * load_f(key), odd = fVec::loadu(q + kLanes) * load_f(key + kLanes);
+    for (int c = 2; c < kChunks; c += 2) {
+      even = at::vec::fmadd(fVec::loadu(q + c * kLanes), load_f(key + c * kLanes), even);
+      odd = at::vec::fmadd(fVec::loadu(q + (c + 1) * kLanes), load_f(key + (c + 1) * kLanes), odd);
+    }
+    return even + odd;
+  }
+}
+
+// Each of kLanes vectors' sum of lanes, into out[0..count): on AVX2 all eight at once in one vector
+// (a transposing tree of pairwise sums), where summing each alone costs a shuffle chain per score.
+// Every vector's lanes are summed in the same order wherever it stands, so a key's score does not depend
+// on the keys beside it.
+inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  {
+    const __m256 p01 = _mm256_hadd_ps(parts[0], parts[1]), p23 = _mm256_hadd_ps(parts[2], parts[3]);
+    const __m256 p45 = _mm256_hadd_ps(parts[4], parts[5]), p67 = _mm256_hadd_ps(parts[6], parts[7]);
+    // Lane j of each 128-bit half: part j's (or j + 4's) half sum.
+    const __m256 low = _mm256_hadd_ps(p01, p23), high = _mm256_hadd_ps(p45, p67);
+    const fVec sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+    sums.store(out, count);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) out[j] = sum_lanes(parts[j]);
+}
+
 // Decode attention for one (sequence, KV head): its G query heads ([G, Dh], float32, scaled) against the
 // `length` keys and values that `table` names, into out [G, Dh]. `scores` holds G * length floats.
 // kChunks > 0: head_dim is kChunks vectors, known when compiled, so that a key's dot product and a
@@ -312,28 +347,27 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
             int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out,
             llmq_prefetch::ContextFetch* ahead) {
   const int64_t ahead_per_key = ahead != nullptr ? (ahead->lines() + length - 1) / length : 0;
-  // Scores, a block at a time (one block-table lookup per block, no division per token).
+  // Scores, a block at a time (one block-table lookup per block, no division per token), and within a
+  // block kLanes keys at a time, whose sums of lanes are taken together.
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
     const scalar_t* keys = k_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
     if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
-    for (int64_t t = 0; t < count; ++t) {
-      const scalar_t* key = keys + t * head_dim;
+    for (int64_t t = 0; t < count; t += kLanes) {
+      const int64_t width = std::min<int64_t>(kLanes, count - t);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = query + g * head_dim;
-        float score;
+        float* out_scores = scores + g * length + first + t;
         if constexpr (kChunks > 0) {
-          fVec part[kChunks];
-          for (int c = 0; c < kChunks; ++c) part[c] = fVec::loadu(qg + c * kLanes) * load_f(key + c * kLanes);
-          for (int width = kChunks / 2; width >= 1; width /= 2)
-            for (int c = 0; c < width; ++c) part[c] = part[c] + part[c + width];
-          score = sum_lanes(part[0]);
+          fVec parts[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j)
+            parts[j] = j < width ? dot_lanes<kChunks>(qg, keys + (t + j) * head_dim) : fVec(0.f);
+          store_lane_sums(parts, width, out_scores);
         } else {
-          score = dot(qg, key, head_dim);
+          for (int64_t j = 0; j < width; ++j) out_scores[j] = dot(qg, keys + (t + j) * head_dim, head_dim);
         }
-        scores[g * length + first + t] = score;
       }
-      if (ahead != nullptr) ahead->next(ahead_per_key);
+      if (ahead != nullptr) ahead->next(ahead_per_key * width);
     }
   }
   if (ahead != nullptr) ahead->next(ahead->lines());
@@ -360,34 +394,42 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
     }
     inv_total[g] = 1.f / total;
   }
-  // The weighted sum of values, a head at a time: two running sums (even and odd tokens) that do not
-  // wait on each other's multiply-adds.
+  // The weighted sum of values, a head at a time. Below eight vectors a head, two running sums (even and
+  // odd tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second
+  // would not fit in AVX2's sixteen registers.
+  constexpr int kSums = kChunks >= 8 ? 1 : 2;
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * length;
     float* dst = out + g * head_dim;
     if constexpr (kChunks > 0) {
-      fVec even[kChunks], odd[kChunks];
-      for (int c = 0; c < kChunks; ++c) even[c] = odd[c] = fVec(0.f);
+      fVec sums[kSums][kChunks];
+      for (int s = 0; s < kSums; ++s)
+        for (int c = 0; c < kChunks; ++c) sums[s][c] = fVec(0.f);
       for (int64_t first = 0; first < length; first += block_size) {
         const int64_t count = std::min(block_size, length - first);
         const scalar_t* values = v_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
         if (first + block_size < length) prefetch_block(v_head, table[first / block_size + 1], block_size * head_dim);
         int64_t t = 0;
-        for (; t + 1 < count; t += 2) {
-          const fVec p0(p[first + t]), p1(p[first + t + 1]);
-          for (int c = 0; c < kChunks; ++c) {
-            even[c] = at::vec::fmadd(p0, load_f(values + t * head_dim + c * kLanes), even[c]);
-            odd[c] = at::vec::fmadd(p1, load_f(values + (t + 1) * head_dim + c * kLanes), odd[c]);
+        if constexpr (kSums == 2) {
+          for (; t + 1 < count; t += 2) {
+            const fVec even(p[first + t]), odd(p[first + t + 1]);
+            for (int c = 0; c < kChunks; ++c) {
+              sums[0][c] = at::vec::fmadd(even, load_f(values + t * head_dim + c * kLanes), sums[0][c]);
+              sums[1][c] = at::vec::fmadd(odd, load_f(values + (t + 1) * head_dim + c * kLanes), sums[1][c]);
+            }
           }
         }
-        if (t < count) {
-          const fVec p0(p[first + t]);
+        for (; t < count; ++t) {
+          const fVec weight(p[first + t]);
           for (int c = 0; c < kChunks; ++c)
-            even[c] = at::vec::fmadd(p0, load_f(values + t * head_dim + c * kLanes), even[c]);
+            sums[0][c] = at::vec::fmadd(weight, load_f(values + t * head_dim + c * kLanes), sums[0][c]);
         }
       }
       const fVec inv(inv_total[g]);
-      for (int c = 0; c < kChunks; ++c) ((even[c] + odd[c]) * inv).store(dst + c * kLanes);
+      for (int c = 0; c < kChunks; ++c) {
+        const fVec total = kSums == 1 ? sums[0][c] : sums[0][c] + sums[kSums - 1][c];
+        (total * inv).store(dst + c * kLanes);
+      }
     } else {
       std::fill(dst, dst + head_dim, 0.f);
       for (int64_t first = 0; first < length; first += block_size) {
