@@ -302,8 +302,8 @@ inline void prefetch_block(const scalar_t* head, int32_t block, int64_t block_el
     __builtin_prefetch(start + offset);
 }
 
-// q's dot product with a key of kChunks vectors, as a vector whose lanes sum to it: two running sums
-// (kChunks > 1) so that no multiply-add waits on the one before it.
+// q's dot product with a key of kChunks vectors, as a vector whose lanes sum to it: in two running sums
+// (kChunks > 1), so that successive multiply-adds do not wait on each other.
 template <int kChunks, typename scalar_t>
 inline fVec dot_lanes(const float* q, const scalar_t* key) {
   if constexpr (kChunks == 1) {
@@ -327,7 +327,8 @@ inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
   {
     const __m256 p01 = _mm256_hadd_ps(parts[0], parts[1]), p23 = _mm256_hadd_ps(parts[2], parts[3]);
     const __m256 p45 = _mm256_hadd_ps(parts[4], parts[5]), p67 = _mm256_hadd_ps(parts[6], parts[7]);
-    // Lane j of each 128-bit half: part j's (or j + 4's) half sum.
+    // low: in each 128-bit half, lane j holds part j's sum over that half's lanes; high: the same for
+    // parts 4-7. Adding the halves gives each part's whole sum, in order.
     const __m256 low = _mm256_hadd_ps(p01, p23), high = _mm256_hadd_ps(p45, p67);
     const fVec sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
     sums.store(out, count);
@@ -427,7 +428,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
       }
       const fVec inv(inv_total[g]);
       for (int c = 0; c < kChunks; ++c) {
-        const fVec total = kSums == 1 ? sums[0][c] : sums[0][c] + sums[kSums - 1][c];
+        fVec total = sums[0][c];
+        if constexpr (kSums == 2) total = total + sums[1][c];
         (total * inv).store(dst + c * kLanes);
       }
     } else {
