@@ -17,6 +17,9 @@ Two views of one engine (prefix caching off, 2 threads), after a warm-up:
 2. The same workload again under torch.profiler, every operator of every step grouped: matrix
    products, attention's gathers of the paged cache, attention's arithmetic, writes into the cache,
    norms / activations / rotary, allocation and copies, sampling's reductions. Printed in ms per step.
+   The fused C++ kernels' calls are counted as operators of their own ("llmq::..."); where a whole
+   decoder layer is one such call (a decode step on a CPU with the kernels), it is one group, which
+   `python benchmarks/product_shapes.py` and `benchmarks/decode_attention.py` take apart.
 The profiler slows small operators down: read view 2 for shares within the forward pass, view 1 for time.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +42,7 @@ from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.engine.llm import LLMEngine  # noqa: E402
 from llmq.engine.step_input import StepInput  # noqa: E402
+from llmq.model import llama, sampler  # noqa: E402
 from llmq.model.sampler import SampledStep  # noqa: E402
 
 STORIES_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260k"
@@ -46,16 +50,18 @@ STORIES_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stor
 MODELS = {"bench-42m": (bench_model_dir, 64, 32000), "llama-1b": (model_1b_dir, 32, 32000),
           "stories260k": (lambda: STORIES_DIR, 256, 512)}
 
-# Operator name -> group, first match wins (view 2).
+# Operator name -> group, first match wins (view 2). "llmq::" names are the fused C++ kernels' calls, which
+# are not torch operators: label_kernel_calls names them for the profiler.
 GROUPS = [
+    ("fused decoder layers (one C++ call a layer: its products, attention, norms)", ("llmq::decoder_layer",)),
     ("matrix products", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int",
-                         "aten::_convert_weight")),
+                         "aten::_convert_weight", "llmq::panel_linear", "llmq::tiled_linear", "llmq::silu_and_mul_of")),
     ("attention: gathers", ("aten::index_select",)),
     ("attention: arithmetic", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::masked_fill",
-                               "aten::scaled_dot_product", "aten::_scaled_dot_product")),
-    ("attention: cache writes", ("aten::index_copy",)),
+                               "aten::scaled_dot_product", "aten::_scaled_dot_product", "llmq::paged_decode_attention")),
+    ("attention: cache writes", ("aten::index_copy", "llmq::write_kv")),
     ("sampling reductions", ("aten::amax", "aten::argmax", "aten::max", "aten::topk", "aten::sort",
-                             "aten::multinomial", "aten::_log_softmax")),
+                             "aten::multinomial", "aten::_log_softmax", "llmq::fast_argmax")),
     ("allocation, copies", ("aten::empty", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat",
                             "aten::index", "aten::zeros", "aten::full", "aten::arange", "aten::fill_")),
 ]
@@ -87,6 +93,35 @@ class Sections:
                 seconds[label] += time.perf_counter() - started
 
         setattr(owner, name, timed)
+
+
+# The kernels object's calls that label_kernel_calls names, where it has them.
+KERNEL_CALLS = ("decoder_layer", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "silu_and_mul_of", "write_kv",
+                "paged_decode_attention")
+
+
+def _label(owner, name: str) -> None:
+    """owner.name, from now on inside a profiler range "llmq::name"."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def labelled(*args, **kwargs):
+        with record_function(f"llmq::{name}"):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, labelled)
+
+
+def label_kernel_calls(engine: LLMEngine) -> None:
+    """Put each call into the fused C++ kernels (the engine's kernels object, the panel and tiled products,
+    greedy argmax) in a profiler range of its own: they are not torch operators, so the profiler would
+    otherwise see only the torch operators they call, and view 2 would leave out most of a step."""
+    kernels = engine.model_runner.kernels
+    for name in KERNEL_CALLS:
+        if hasattr(kernels, name):
+            _label(kernels, name)
+    for module, name in ((llama, "panel_linear"), (llama, "tiled_linear"), (sampler, "fast_argmax")):
+        _label(module, name)
 
 
 def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
@@ -151,6 +186,7 @@ def main() -> None:
 
     if args.no_profiler:
         return
+    label_kernel_calls(engine)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _, profiled_steps = run_workload(engine, fresh_prompts(requests, 2, vocab), "profiled")
     groups: dict[str, float] = defaultdict(float)
