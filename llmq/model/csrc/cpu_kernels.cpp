@@ -318,24 +318,30 @@ inline fVec dot_lanes(const float* q, const scalar_t* key) {
   }
 }
 
-// Each of kLanes vectors' sum of lanes, into out[0..count): on AVX2 all eight at once in one vector
+// Keys whose scores store_lane_sums takes together: eight on AVX2, whose eight lanes hold their eight sums;
+// one elsewhere, where each key's vector is summed alone as soon as it is made.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kKeysTogether = 8;
+#else
+constexpr int64_t kKeysTogether = 1;
+#endif
+
+// Each of kKeysTogether vectors' sum of lanes, into out[0..count): on AVX2 all eight at once in one vector
 // (a transposing tree of pairwise sums), where summing each alone costs a shuffle chain per score.
 // Every vector's lanes are summed in the same order wherever it stands, so a key's score does not depend
 // on the keys beside it.
 inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
 #if defined(CPU_CAPABILITY_AVX2)
-  {
-    const __m256 p01 = _mm256_hadd_ps(parts[0], parts[1]), p23 = _mm256_hadd_ps(parts[2], parts[3]);
-    const __m256 p45 = _mm256_hadd_ps(parts[4], parts[5]), p67 = _mm256_hadd_ps(parts[6], parts[7]);
-    // low: in each 128-bit half, lane j holds part j's sum over that half's lanes; high: the same for
-    // parts 4-7. Adding the halves gives each part's whole sum, in order.
-    const __m256 low = _mm256_hadd_ps(p01, p23), high = _mm256_hadd_ps(p45, p67);
-    const fVec sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
-    sums.store(out, count);
-    return;
-  }
-#endif
+  const __m256 p01 = _mm256_hadd_ps(parts[0], parts[1]), p23 = _mm256_hadd_ps(parts[2], parts[3]);
+  const __m256 p45 = _mm256_hadd_ps(parts[4], parts[5]), p67 = _mm256_hadd_ps(parts[6], parts[7]);
+  // low: in each 128-bit half, lane j holds part j's sum over that half's lanes; high: the same for
+  // parts 4-7. Adding the halves gives each part's whole sum, in order.
+  const __m256 low = _mm256_hadd_ps(p01, p23), high = _mm256_hadd_ps(p45, p67);
+  const fVec sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+  sums.store(out, count);
+#else
   for (int64_t j = 0; j < count; ++j) out[j] = sum_lanes(parts[j]);
+#endif
 }
 
 // Decode attention for one (sequence, KV head): its G query heads ([G, Dh], float32, scaled) against the
@@ -349,19 +355,19 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
             llmq_prefetch::ContextFetch* ahead) {
   const int64_t ahead_per_key = ahead != nullptr ? (ahead->lines() + length - 1) / length : 0;
   // Scores, a block at a time (one block-table lookup per block, no division per token), and within a
-  // block kLanes keys at a time, whose sums of lanes are taken together.
+  // block kKeysTogether keys at a time, whose sums of lanes are taken together.
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
     const scalar_t* keys = k_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
     if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
-    for (int64_t t = 0; t < count; t += kLanes) {
-      const int64_t width = std::min<int64_t>(kLanes, count - t);
+    for (int64_t t = 0; t < count; t += kKeysTogether) {
+      const int64_t width = std::min(kKeysTogether, count - t);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = query + g * head_dim;
         float* out_scores = scores + g * length + first + t;
         if constexpr (kChunks > 0) {
-          fVec parts[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j)
+          fVec parts[kKeysTogether];
+          for (int64_t j = 0; j < kKeysTogether; ++j)
             parts[j] = j < width ? dot_lanes<kChunks>(qg, keys + (t + j) * head_dim) : fVec(0.f);
           store_lane_sums(parts, width, out_scores);
         } else {
