@@ -46,13 +46,16 @@ def tiled_model(tmp_path_factory):
 
 
 def _generate(llm, prompts, monkeypatch, fused: bool):
-    """Token ids and logprobs of greedy generation, and how many layer calls took the fused path."""
-    taken = {"fused": 0, "declined": 0}
+    """Token ids and logprobs of greedy generation, and how many layer calls took the fused path (and
+    the most rows one of them took)."""
+    taken = {"fused": 0, "declined": 0, "most_rows": 0}
     own = cpu_kernels.NativeKernels.decoder_layer
 
-    def counted(self, *args):
-        result = own(self, *args) if fused else None
+    def counted(self, layer, hidden, *args):
+        result = own(self, layer, hidden, *args) if fused else None
         taken["fused" if result is not None else "declined"] += 1
+        if result is not None:
+            taken["most_rows"] = max(taken["most_rows"], hidden.shape[0])
         return result
 
     monkeypatch.setattr(cpu_kernels.NativeKernels, "decoder_layer", counted)
@@ -76,6 +79,31 @@ def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_mod
     assert taken["fused"] > 0 and taken["declined"] == 0  # short prompts and decodes: every step fused
     plain, taken = _generate(llm, prompts, monkeypatch, fused=False)
     assert taken["fused"] == 0
+    assert fused == plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_a_time(tiled_model, monkeypatch,
+                                                                                       dtype):
+    """More rows than the C++ layer takes at once (kLayerRowsAtOnce, 256): prompts cross the boundaries
+    between its row groups at 256 and 512, and a token there attends to keys an earlier group wrote."""
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
+    lengths = [100, 170, 150, 120]  # rows 0-99, 100-269, 270-419, 420-539: one prefill step of 540 rows
+    assert max(lengths) <= longest_kernel_prompt(CONFIG["num_attention_heads"])  # every chunk the kernel's
+    fused, taken = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=True)
+    assert taken["declined"] == 0 and taken["most_rows"] == sum(lengths)
+    plain, _ = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=False)
+    assert fused == plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_step_of_more_sequences_than_the_layer_takes_at_once(tiled_model, monkeypatch, dtype):
+    """Decodes read their own block table row (no query tables): each group of rows reads its own rows."""
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_seqs=300)
+    prompts = _prompts([3 + i % 6 for i in range(300)], seed=2)
+    fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["declined"] == 0 and taken["most_rows"] > 300  # the prefill step; its decodes take 300
+    plain, _ = _generate(llm, prompts, monkeypatch, fused=False)
     assert fused == plain
 
 

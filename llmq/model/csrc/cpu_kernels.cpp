@@ -837,18 +837,13 @@ torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up
   return tiled_silu_and_mul(x, gate_up, bias);
 }
 
-// llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
-// from Python: the Python between them (a module call, a wrapper and views per operation) costs more
-// than several of the operations at decode sizes. Every query row is a decode or a short prompt chunk's
-// token (the paged kernel's: no SDPA span); rows past the slot mapping's are the model's padding (its
-// products' row counts are oneDNN's buckets), which attention leaves zero as paged_attention does.
-// Returns (output, residual), as the layer does.
-std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Tensor& hidden,
-                                         const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
-                                         const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                                         const torch::Tensor& context_lens,
-                                         const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
+// decoder_layer below for rows that go through it together (all of a step's, or some of a long step's).
+std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor& hidden,
+                                      const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                      const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                      const torch::Tensor& context_lens,
+                                      const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
   torch::Tensor x, stream;
   if (residual.has_value() && residual->defined()) {
     auto normed = add_rms_norm(hidden, *residual, w.input_norm, w.eps);
@@ -877,6 +872,53 @@ std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Ten
   auto normed = add_rms_norm(product(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
   torch::Tensor gated = gated_product(normed[0], w.gate_up, w.gate_up_bias);
   return {product(gated, w.down, w.down_bias), normed[1]};
+}
+
+// Rows a decoder layer takes through all of its operations at a time. A prefill step has thousands, and
+// taken all at once every operation's output ([rows, 3 x hidden] after the gate/up product) streams
+// through memory between operations, and each product's inputs no longer stay in L2 while its panels
+// pass; this many at a time stay in the caches, at the cost of reading the layer's weights once for
+// each of them, which the products at this many rows hide (benchmarks/product_shapes.py).
+constexpr int64_t kLayerRowsAtOnce = 256;
+
+// llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
+// from Python: the Python between them (a module call, a wrapper and views per operation) costs more
+// than several of the operations at decode sizes. Every query row is a decode or a short prompt chunk's
+// token (the paged kernel's: no SDPA span); rows past the slot mapping's are the model's padding (its
+// products' row counts are oneDNN's buckets), which attention leaves zero as paged_attention does.
+// Rows go through kLayerRowsAtOnce at a time, in order: a prompt's token attends only to positions up
+// to its own, whose keys and values the rows before it (or its own) have written into the cache by then.
+// Returns (output, residual), as the layer does.
+std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Tensor& hidden,
+                                         const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                         const torch::Tensor& context_lens,
+                                         const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
+  const int64_t rows = hidden.size(0), tokens = slot_mapping.size(0), at_once = kLayerRowsAtOnce;
+  if (rows <= at_once)
+    return layer_rows(w, hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                      query_tables, block_size);
+  const bool has_residual = residual.has_value() && residual->defined();
+  const bool has_query_tables = query_tables.has_value() && query_tables->defined();
+  torch::Tensor out = torch::empty_like(hidden), stream = torch::empty_like(hidden);
+  for (int64_t start = 0; start < rows; start += at_once) {
+    const int64_t count = std::min(at_once, rows - start);
+    const int64_t first_token = std::min(start, tokens), count_tokens = std::min(start + count, tokens) - first_token;
+    auto part = layer_rows(
+        w, hidden.narrow(0, start, count),
+        has_residual ? c10::optional<torch::Tensor>(residual->narrow(0, start, count)) : c10::nullopt,
+        cos.narrow(0, start, count), sin.narrow(0, start, count), k_cache, v_cache,
+        slot_mapping.narrow(0, first_token, count_tokens),
+        // query n's table: the row query_tables names, else row n (each decode has its own).
+        has_query_tables ? block_tables : block_tables.narrow(0, first_token, count_tokens),
+        context_lens.narrow(0, first_token, count_tokens),
+        has_query_tables ? c10::optional<torch::Tensor>(query_tables->narrow(0, first_token, count_tokens)) : c10::nullopt,
+        block_size);
+    out.narrow(0, start, count).copy_(part[0]);
+    stream.narrow(0, start, count).copy_(part[1]);
+  }
+  return {out, stream};
 }
 
 }  // namespace
