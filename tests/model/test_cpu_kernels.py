@@ -129,11 +129,16 @@ def test_a_model_runs_every_small_operation_through_the_kernels_it_is_given(kern
         assert runner.attention_backend == ("cpu" if expected is kernels else "torch")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [32000, 1003, 7])
-def test_argmax_rows_is_torchs_argmax_first_of_equals(kernels, dtype, vocab):
+@pytest.fixture
+def argmax_rows(kernels):
     if not hasattr(kernels._ops, "argmax_rows"):
         pytest.skip("argmax_rows is built for AVX-512 and AVX2 CPUs only")
+    return kernels._ops.argmax_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [32000, 1003, 7])
+def test_argmax_rows_is_torchs_argmax_first_of_equals(argmax_rows, dtype, vocab):
     logits = _randn(6, vocab, dtype=dtype)
     top = logits.max() + 1
     logits[1, [vocab // 3, vocab - 1]] = top  # equal maxima in two places: the first wins
@@ -142,20 +147,18 @@ def test_argmax_rows_is_torchs_argmax_first_of_equals(kernels, dtype, vocab):
     logits[4, 0] = top  # the very first
     logits[5, vocab - 1] = top  # the very last
     expected = logits.float().argmax(dim=-1)
-    assert torch.equal(kernels._ops.argmax_rows(logits), expected)
+    assert torch.equal(argmax_rows(logits), expected)
     wide = torch.cat([logits, logits[:, :5]], dim=1)[:, :vocab]  # rows apart in memory
-    assert torch.equal(kernels._ops.argmax_rows(wide), expected)
+    assert torch.equal(argmax_rows(wide), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows_passes_over_nan(kernels, dtype):
+def test_argmax_rows_passes_over_nan(argmax_rows, dtype):
     # torch.argmax would pick a NaN; the kernel takes the largest number (a row all NaN: index 0).
-    if not hasattr(kernels._ops, "argmax_rows"):
-        pytest.skip("argmax_rows is built for AVX-512 and AVX2 CPUs only")
     logits = _randn(3, 1003, dtype=dtype)
     logits[0, 7] = float("nan")
     logits[1, [0, 500, 1002]] = float("nan")
     logits[2] = float("nan")
     expected = logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
     expected[2] = 0
-    assert torch.equal(kernels._ops.argmax_rows(logits), expected)
+    assert torch.equal(argmax_rows(logits), expected)
