@@ -3,7 +3,8 @@
     python benchmarks/prompt_attention.py
 
 With the `cpu` attention backend, a prompt chunk goes to the C++ kernel while its query heads times its
-context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK, and to SDPA otherwise. This
+context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK (on an AVX2 CPU without
+AVX-512: while its context is at most LONGEST_KERNEL_PROMPT_AVX2), and to SDPA otherwise. This
 prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64) and the 1.1 B
 model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and float32, and
 which way the engine takes it. The kernel saves SDPA's cost per call; SDPA's work grows more slowly
@@ -71,7 +72,7 @@ def main() -> None:
     print("| shape | dtype | prompt tokens | SDPA, ms | kernel, ms | kernel / SDPA | the engine takes |")
     print("|---|---|---|---|---|---|---|")
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
-        longest = longest_kernel_prompt(heads)
+        longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2")
         for dtype in (torch.bfloat16, torch.float32):
             for length in LENGTHS:
                 sdpa, kernel = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)

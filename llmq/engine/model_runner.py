@@ -324,7 +324,8 @@ class ModelRunner:
         for step in steps:
             input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
                                                          self.block_size, self._paged_kernel,
-                                                         longest_kernel_prompt(local.num_attention_heads))
+                                                         longest_kernel_prompt(local.num_attention_heads,
+                                                                               self.kernels.panel_products == "avx2"))
             step.read_deferred_ids(input_ids, previous_tokens)
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))

@@ -102,13 +102,20 @@ PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
 # The "cpu" kernel takes a prompt chunk while its query heads times its context squared is at most this.
 # Each of its tokens is then a decode: that saves SDPA's cost per call, which is what a short prompt pays,
 # but its work grows with the context faster than SDPA's (benchmarks/prompt_attention.py measures where
-# the two cross: about 128 tokens at 8 query heads, 64 at 32).
+# the two cross: about 128 tokens at 8 query heads, 64 at 32, on CPUs with AVX-512).
 PROMPT_KERNEL_WORK = 8 * 128 ** 2
+# On a CPU with AVX2 and no AVX-512, torch's SDPA is the slower of the two for longer: they crossed at
+# about 512 tokens at 8 query heads and 1,024 at 32 there, so the kernel takes every chunk whose context
+# is at most this, whatever its heads.
+LONGEST_KERNEL_PROMPT_AVX2 = 512
 
 
-def longest_kernel_prompt(num_heads: int) -> int:
+def longest_kernel_prompt(num_heads: int, avx2_only: bool = False) -> int:
     """The longest context (cached and new tokens) of a prompt chunk that the "cpu" attention kernel
-    takes, for a layer of `num_heads` query heads; longer chunks take SDPA."""
+    takes, for a layer of `num_heads` query heads; longer chunks take SDPA. `avx2_only`: the CPU has
+    AVX2 and no AVX-512 (where the fused kernels multiply in panels: NativeKernels.panel_products)."""
+    if avx2_only:
+        return LONGEST_KERNEL_PROMPT_AVX2
     return math.isqrt(PROMPT_KERNEL_WORK // max(1, num_heads))
 
 

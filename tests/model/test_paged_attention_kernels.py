@@ -135,6 +135,11 @@ def test_the_longest_prompt_the_kernel_takes_shrinks_with_the_query_heads():
     assert longest_kernel_prompt(1) > longest_kernel_prompt(2) > longest_kernel_prompt(64)
 
 
+def test_on_an_avx2_cpu_without_avx512_the_kernel_takes_prompts_up_to_512_tokens_whatever_the_heads():
+    # There torch's SDPA is the slower of the two up to about 512 tokens at 8 heads (1,024 at 32).
+    assert {longest_kernel_prompt(heads, avx2_only=True) for heads in (1, 8, 32, 64)} == {512}
+
+
 @on_a_cpu
 def test_the_cpu_kernel_refuses_a_query_table_row_it_does_not_have():
     kernels = native_kernels()
