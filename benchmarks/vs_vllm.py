@@ -22,8 +22,9 @@ product's operands stream from memory, as on a CPU with a small L3, it is the sl
 fastest of torch's own product and the products llmq runs over prepacked weights here), and the
 machine's limit for the workload: the step-time floor max(matmul FLOPs / the measured decode-shaped
 matmul rate, weight bytes / the measured copy bandwidth) for each decode step's batch, summed over the
-workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). While llmq runs, vLLM's processes are stopped (SIGSTOP): idle, they
-still poll for work, which on 2 cores takes CPU from the engine being measured (README: Benchmarks).
+workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). While llmq
+runs, vLLM's processes are stopped (SIGSTOP): idle, they still poll for work, which on 2 cores takes CPU
+from the engine being measured (README: Benchmarks).
 
 Time on a 2-core machine, after vLLM's install: bench-42m, both dtypes, 3 rounds: about 6 minutes (vLLM's
 engine takes 1.5-2 minutes to start, per dtype); llama-1b bfloat16, 1 round: about 5 minutes.
