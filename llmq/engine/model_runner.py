@@ -135,6 +135,9 @@ class ModelRunner:
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type,
                                                           cpu_kernels=self.kernels is not TORCH_KERNELS)
         local = self.plan.local_config
+        # The longest prompt chunk (its context) that the "cpu" attention kernel takes here; SDPA takes longer ones.
+        self.longest_kernel_prompt = longest_kernel_prompt(local.num_attention_heads,
+                                                           self.kernels.panel_products == "avx2")
         # One block more than the block manager hands out: the scratch block that the padding rows of
         # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
         self.num_cache_blocks = self.budget.num_blocks + 1
@@ -324,8 +327,7 @@ class ModelRunner:
         for step in steps:
             input_ids, positions, meta = step.to_tensors(self.device, local.num_key_value_heads, self.num_cache_blocks,
                                                          self.block_size, self._paged_kernel,
-                                                         longest_kernel_prompt(local.num_attention_heads,
-                                                                               self.kernels.panel_products == "avx2"))
+                                                         self.longest_kernel_prompt)
             step.read_deferred_ids(input_ids, previous_tokens)
             inputs = input_ids if stage.is_first else self._receive(step.num_tokens, self.model_config.hidden_size,
                                                                     self.dtype, self.group.rank_of(stage.stage - 1))

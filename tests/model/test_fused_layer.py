@@ -9,7 +9,6 @@ import torch
 
 import llmq.model.cpu_kernels as cpu_kernels
 from llmq.engine.llm import LLM
-from llmq.model.attention import longest_kernel_prompt
 from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
 from llmq.model.cpu_prepack import prepack_supported
 from llmq.sampling_params import SamplingParams
@@ -64,11 +63,6 @@ def _generate(llm, prompts, monkeypatch, fused: bool):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], taken
 
 
-def _longest_kernel_prompt() -> int:
-    """The longest prompt chunk context the engine gives the attention kernel on this CPU."""
-    return longest_kernel_prompt(CONFIG["num_attention_heads"], cpu_kernels.native_kernels().panel_products == "avx2")
-
-
 def _prompts(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
@@ -94,7 +88,7 @@ def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_
     between its row groups at 256 and 512, and a token there attends to keys an earlier group wrote."""
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
     lengths = [100, 170, 150, 120]  # rows 0-99, 100-269, 270-419, 420-539: one prefill step of 540 rows
-    assert max(lengths) <= _longest_kernel_prompt()  # every chunk the kernel's
+    assert max(lengths) <= llm.engine.model_runner.longest_kernel_prompt  # every chunk the kernel's
     fused, taken = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=True)
     assert taken["declined"] == 0 and taken["most_rows"] == sum(lengths)
     plain, _ = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=False)
@@ -115,7 +109,7 @@ def test_a_decode_step_of_more_sequences_than_the_layer_takes_at_once(tiled_mode
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, monkeypatch, dtype):
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
-    longest = _longest_kernel_prompt()
+    longest = llm.engine.model_runner.longest_kernel_prompt
     prompts = _prompts([8, longest + 20])  # the long one's chunk goes to SDPA
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
     assert taken["declined"] >= CONFIG["num_hidden_layers"] and taken["fused"] > 0
