@@ -1,15 +1,18 @@
-"""A fresh prompt's attention two ways: SDPA, and the CPU kernel taking each token as a decode.
+"""A fresh prompt's attention three ways: SDPA, the CPU's paged kernel taking each token as a decode, and
+the CPU's prompt kernel (its tokens in tiles, as small matrix products).
 
     python benchmarks/prompt_attention.py
 
-With the `cpu` attention backend, a prompt chunk goes to the C++ kernel while its query heads times its
+With the `cpu` attention backend, a prompt chunk goes to the paged kernel while its query heads times its
 context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK (on an AVX2 CPU without
-AVX-512: while its context is at most LONGEST_KERNEL_PROMPT_AVX2), and to SDPA otherwise. This
-prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64) and the 1.1 B
-model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and float32, and
-which way the engine takes it. The kernel saves SDPA's cost per call; SDPA's work grows more slowly
-with the context. Each engine call to SDPA also pays some Python around it, which this leaves out.
-2 threads; best of 3.
+AVX-512: while its context is at most LONGEST_KERNEL_PROMPT_AVX2), and otherwise to a call of its own:
+the prompt kernel's where this CPU's build has it (csrc/prompt_attention.h: AVX2 CPUs without AVX-512),
+else SDPA's. This prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64)
+and the 1.1 B model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and
+float32, and which way the engine takes it. The paged kernel saves a call's cost, which is what a short
+prompt pays, and keeps the step's layers in one C++ call each (cpu_kernels.cpp's decoder_layer); its work
+grows with the context faster than the other two's. Each engine call to SDPA or the prompt kernel also pays
+some Python around it, which this leaves out. 2 threads; best of 3.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def best_of_3(run) -> float:
 
 
 def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, dtype: torch.dtype):
-    """(SDPA seconds, kernel seconds) for a fresh prompt of `length` tokens."""
+    """(SDPA seconds, paged kernel seconds, prompt kernel seconds or None where not built) for a fresh
+    prompt of `length` tokens."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
     k, v = (torch.randn(length, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
@@ -61,7 +65,11 @@ def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, d
     def kernel():
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, BLOCK_SIZE, scale, out, query_tables)
 
-    return best_of_3(sdpa), best_of_3(kernel)
+    def prompt_kernel():
+        kernels.prompt_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale)
+
+    tiled = best_of_3(prompt_kernel) if kernels.takes_prompt(q) else None
+    return best_of_3(sdpa), best_of_3(kernel), tiled
 
 
 def main() -> None:
@@ -69,17 +77,18 @@ def main() -> None:
     kernels = native_kernels()
     if kernels is None:
         sys.exit(f"the CPU kernels did not build here: {native_kernels_failure()}")
-    print("| shape | dtype | prompt tokens | SDPA, ms | kernel, ms | kernel / SDPA | the engine takes |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | dtype | prompt tokens | SDPA, ms | paged kernel, ms | prompt kernel, ms | paged / SDPA | "
+          "prompt / SDPA | the engine takes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2")
         for dtype in (torch.bfloat16, torch.float32):
             for length in LENGTHS:
-                sdpa, kernel = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)
+                sdpa, kernel, tiled = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)
+                takes = "paged kernel" if length <= longest else "prompt kernel" if tiled is not None else "SDPA"
+                tiled_ms, tiled_ratio = ("-", "-") if tiled is None else (f"{tiled * 1e3:.2f}", f"{tiled / sdpa:.2f}")
                 print(f"| {name} | {str(dtype).removeprefix('torch.')} | {length} | {sdpa * 1e3:.2f} | "
-                      f"{kernel * 1e3:.2f} | {kernel / sdpa:.2f} | {'kernel' if length <= longest else 'SDPA'} |",
-                      flush=True)
-
+                      f"{kernel * 1e3:.2f} | {tiled_ms} | {kernel / sdpa:.2f} | {tiled_ratio} | {takes} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,9 @@ and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel 
 through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
 where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
 (llmq/model/cpu_kernels.py). Prompt chunks take SDPA, a call each, except with "triton", whose prefill
-kernel takes all of a step's chunks in one launch (PagedPrefills), and short ones with "cpu", whose kernel
-takes them in the same call as the decodes, each token as a decode at its position (longest_kernel_prompt).
+kernel takes all of a step's chunks in one launch (PagedPrefills), and with "cpu": short ones in its
+decode kernel's call, each token as a decode at its position (longest_kernel_prompt), and longer ones, where
+this CPU's build has it, in its prompt kernel (csrc/prompt_attention.h), a call each as SDPA's.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" or "cpu" backend
     paged_prefills: PagedPrefills | None = None  # instead of `prefills`, with the "triton" backend
+    prefill_kernel: str | None = None  # "cpu": the "cpu" backend's prompt kernel takes `prefills` where it can
 
 
 PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
@@ -196,7 +198,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             context = span.num_cached + span.num_tokens
             keys = gather_blocks(k_cache, span.context_rows, meta.block_size)[:, :context]  # [KVH, ctx, Dh]
             values = gather_blocks(v_cache, span.context_rows, meta.block_size)[:, :context]
-        out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
+        kernels = native_kernels() if meta.prefill_kernel == "cpu" else None
+        if kernels is not None and kernels.takes_prompt(q):
+            out[rows] = kernels.prompt_attention(q[rows], keys, values, span.num_cached, scale)
+        else:
+            out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
     return out
 
 

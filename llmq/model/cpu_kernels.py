@@ -187,6 +187,18 @@ class NativeKernels(TorchKernels):
         self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
                                          query_tables)
 
+    def takes_prompt(self, q: torch.Tensor) -> bool:
+        """Whether `prompt_attention` takes a chunk of queries q [n, H, Dh] here: on a CPU whose build has it
+        (csrc/prompt_attention.h: the panel products' AVX2 multiply-adds), for a head size it supports."""
+        return q.is_cpu and q.stride(-1) == 1 and self._ops.prompt_attention_supported(q.shape[-1])
+
+    def prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_cached: int,
+                         scale: float) -> torch.Tensor:
+        """A prompt chunk's causal attention, q [n, H, Dh] over keys and values [KVH, num_cached + n, Dh]
+        (its context, its own tokens last) -> [n, H * Dh], where `takes_prompt(q)`; the twin of
+        attention.py's SDPA prefill."""
+        return self._ops.prompt_attention(q, keys, values, num_cached, scale)
+
 
 TORCH_KERNELS = TorchKernels()
 

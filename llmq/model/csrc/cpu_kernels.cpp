@@ -34,6 +34,7 @@
 #include "tiled_linear.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
+#include "prompt_attention.h"
 #include "work_split.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
@@ -569,6 +570,50 @@ std::string decode_attention_path(const std::string& dtype, int64_t head_dim) {
   return "vector";
 }
 
+// ---- a long prompt chunk's attention over its whole context (prompt_attention.h) -----------------------
+
+// Whether prompt_attention takes a chunk whose heads are `head_dim` long here.
+bool prompt_attention_supported(int64_t head_dim) {
+#ifdef LLMQ_HAS_PROMPT_ATTENTION
+  return llmq_prompt::supports(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+// q [n, H, Dh]; keys, values [KVH, num_cached + n, Dh] (the chunk's context, its own tokens last) -> causal
+// attention [n, H * Dh], the chunk's token i at position num_cached + i.
+torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               int64_t num_cached, double scale) {
+#ifdef LLMQ_HAS_PROMPT_ATTENTION
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, head_dim] with contiguous heads");
+  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(llmq_prompt::supports(head_dim), "prompt_attention: head_dim must be a multiple of ",
+              llmq_panels::kPanelColumns, ", not ", head_dim);
+  TORCH_CHECK(num_cached >= 0, "prompt_attention: num_cached must not be negative");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.stride(2) == 1 && values.stride(2) == 1 &&
+                  keys.size(1) == num_cached + n && keys.size(2) == head_dim &&
+                  keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "prompt_attention: keys and values must be [KVH, num_cached + n, head_dim] alike, in q's dtype");
+  TORCH_CHECK(keys.size(0) > 0 && num_heads % keys.size(0) == 0,
+              "prompt_attention: the query heads must be a multiple of the KV heads");
+  torch::Tensor out = torch::empty({n, num_heads * head_dim}, q.options());
+  if (n == 0) return out;
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "prompt_attention", [&] {
+    llmq_prompt::attend_chunk<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), keys.data_ptr<scalar_t>(),
+                                        keys.stride(0), keys.stride(1), values.data_ptr<scalar_t>(), values.stride(0),
+                                        values.stride(1), n, num_heads, keys.size(0), head_dim, num_cached,
+                                        static_cast<float>(scale), out.data_ptr<scalar_t>(), out.stride(0));
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "prompt_attention: this build has none (it runs on the panel products, built for AVX2 CPUs "
+              "without AVX-512)");
+#endif
+}
+
 // ---- writing a step's keys and values into the cache ----------------------------------------------
 
 // k, v [T, KVH, Dh] (rows of any stride, heads contiguous) into caches [KVH, slots, Dh] at slot_mapping [T].
@@ -934,6 +979,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("query_tables") = py::none());
   m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
+  m.def("prompt_attention_supported", &prompt_attention_supported,
+        "whether prompt_attention takes a head size here (none where the panel products are not built)");
+  m.def("prompt_attention", &prompt_attention, "a prompt chunk's causal attention over its whole context",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("num_cached"), py::arg("scale"));
 #ifdef LLMQ_HAS_ARGMAX_ROWS
   m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equals) in one pass");
 #endif

@@ -1,0 +1,155 @@
+// Causal attention for one prompt chunk over its whole context, as small matrix products on the panel
+// products' multiply-adds (panel_linear.h), included by cpu_kernels.cpp where those are built (AVX2 CPUs
+// without AVX-512).
+//
+// Why: the paged kernel (cpu_kernels.cpp's attend) takes each of a chunk's tokens as a decode: every
+// multiply-add of a score loads both its key and its query, so its long chunks run at a fraction of the
+// cores' peak, below torch's SDPA (benchmarks/prompt_attention.py). Here a tile of the chunk's tokens,
+// times one KV head's query heads, multiplies that head's keys and then its values as products of a
+// few dozen rows: the keys, laid out once per call as panels of 16 ([Dh, 16] each), and the values (panels
+// of 16 of their columns), are read from L1 by every row of the tile, as a weight's panels are by a
+// product's rows. The softmax is exact: a tile's every score first, then its weighted sum of values.
+#pragma once
+
+#ifdef LLMQ_HAS_PANEL_LINEAR
+#define LLMQ_HAS_PROMPT_ATTENTION 1
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "work_split.h"
+
+namespace llmq_prompt {
+
+using llmq_panels::kPanelColumns;
+using fVec = at::vec::Vectorized<float>;
+
+// Tokens of the chunk that share one pass over their KV head's context: with its G query heads, the
+// rows of the products (a multiple of the panels' blocks of 6 rows at G = 1, 2, 3 or 6).
+constexpr int64_t kTileTokens = 12;
+
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Whether the kernel takes a head size: the values' panels are 16 of their columns each.
+inline bool supports(int64_t head_dim) { return head_dim > 0 && head_dim % kPanelColumns == 0; }
+
+// Each row of scores [rows, width] (query row r's own context: lengths[r] leading scores) -> its softmax,
+// zero past its context, so that the product with the values can run over the tile's whole width.
+inline void softmax_rows(float* scores, int64_t rows, int64_t width, const int64_t* lengths) {
+  constexpr int64_t lanes = fVec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * width;
+    const int64_t length = lengths[r];
+    int64_t i = 0;
+    fVec top_v(-std::numeric_limits<float>::infinity());
+    for (; i + lanes <= length; i += lanes) top_v = at::vec::maximum(top_v, fVec::loadu(s + i));
+    float top = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, top_v);
+    for (; i < length; ++i) top = std::max(top, s[i]);
+    top_v = fVec(top);
+    fVec total_v(0.f);
+    for (i = 0; i + lanes <= length; i += lanes) {
+      const fVec e = (fVec::loadu(s + i) - top_v).exp_u20();
+      e.store(s + i);
+      total_v = total_v + e;
+    }
+    float total = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total_v);
+    for (; i < length; ++i) {
+      s[i] = std::exp(s[i] - top);
+      total += s[i];
+    }
+    const fVec inv(1.f / total);
+    for (i = 0; i + lanes <= length; i += lanes) (fVec::loadu(s + i) * inv).store(s + i);
+    for (; i < length; ++i) s[i] *= 1.f / total;
+    std::fill(s + length, s + width, 0.f);
+  }
+}
+
+// q [n, H, Dh] (heads contiguous), keys and values [KVH, n + num_cached, Dh] (each token's Dh contiguous),
+// the chunk's token i at position num_cached + i -> out [n, H * Dh]; T is the tensors' element type,
+// computed in float32.
+// Strides are in elements: a query token's and head's, a key's and value's head and token.
+template <typename T>
+void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* keys, int64_t k_head_stride,
+                  int64_t k_token_stride, const T* values, int64_t v_head_stride, int64_t v_token_stride, int64_t n,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_cached, float scale, T* out,
+                  int64_t out_stride) {
+  const int64_t context = num_cached + n, width = round_up(context, kPanelColumns);
+  const int64_t key_panels = width / kPanelColumns, value_panels = head_dim / kPanelColumns;
+  const int64_t group = num_heads / num_kv_heads, head_floats = width * head_dim;
+  // Per KV head: its keys as panels [key_panels, Dh, 16] (panel p, row d: dimension d of keys 16p .. 16p+15)
+  // and its values as panels [value_panels, width, 16] (panel c, row t: columns 16c .. 16c+15 of value t),
+  // both zero past the context.
+  std::vector<float> key_tiles(num_kv_heads * head_floats), value_tiles(num_kv_heads * head_floats);
+  at::parallel_for(0, num_kv_heads * key_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / key_panels, p = item % key_panels;
+      float* kp = key_tiles.data() + h * head_floats + p * head_dim * kPanelColumns;
+      for (int64_t j = 0; j < kPanelColumns; ++j) {
+        const int64_t t = p * kPanelColumns + j;
+        const T* key = keys + h * k_head_stride + t * k_token_stride;
+        const T* value = values + h * v_head_stride + t * v_token_stride;
+        for (int64_t d = 0; d < head_dim; ++d) kp[d * kPanelColumns + j] = t < context ? static_cast<float>(key[d]) : 0.f;
+        for (int64_t c = 0; c < value_panels; ++c) {
+          float* vp = value_tiles.data() + h * head_floats + (c * width + t) * kPanelColumns;
+          for (int64_t d = 0; d < kPanelColumns; ++d)
+            vp[d] = t < context ? static_cast<float>(value[c * kPanelColumns + d]) : 0.f;
+        }
+      }
+    }
+  });
+
+  // Pieces of work: (tile of tokens, KV head), dealt to threads in contiguous runs of about equal work,
+  // a later tile's context being longer.
+  const int64_t tiles = (n + kTileTokens - 1) / kTileTokens;
+  std::vector<int32_t> tile_context(tiles);
+  for (int64_t tile = 0; tile < tiles; ++tile)
+    tile_context[tile] = static_cast<int32_t>(num_cached + std::min(n, (tile + 1) * kTileTokens));
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<int64_t> runs = llmq_split::balanced_runs(tile_context.data(), tiles, num_kv_heads, threads);
+
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
+    const int64_t most_rows = kTileTokens * group;
+    std::vector<float> query(most_rows * head_dim), scores(most_rows * width), result(most_rows * head_dim);
+    std::vector<int64_t> lengths(most_rows);
+    for (int64_t run = first_run; run < last_run; ++run)
+      for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
+        const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
+        const int64_t first = tile * kTileTokens, tokens = std::min(kTileTokens, n - first);
+        const int64_t rows = tokens * group;  // row t * G + g: the tile's token t, the head's query head g
+        const int64_t span = round_up(tile_context[tile], kPanelColumns);  // the keys any row of the tile reads
+        for (int64_t t = 0; t < tokens; ++t)
+          for (int64_t g = 0; g < group; ++g) {
+            const T* src = q + (first + t) * q_token_stride + (h * group + g) * q_head_stride;
+            float* dst = query.data() + (t * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+            lengths[t * group + g] = num_cached + first + t + 1;
+          }
+        const float* kh = key_tiles.data() + h * head_floats;
+        for (int64_t p = 0; p < span / kPanelColumns; ++p)
+          llmq_panels::panel_times_rows(query.data(), rows, head_dim, kh + p * head_dim * kPanelColumns,
+                                        static_cast<const float*>(nullptr), scores.data() + p * kPanelColumns, span,
+                                        nullptr, 0);
+        softmax_rows(scores.data(), rows, span, lengths.data());
+        const float* vh = value_tiles.data() + h * head_floats;
+        for (int64_t c = 0; c < value_panels; ++c)
+          llmq_panels::panel_times_rows(scores.data(), rows, span, vh + c * width * kPanelColumns,
+                                        static_cast<const float*>(nullptr), result.data() + c * kPanelColumns,
+                                        head_dim, nullptr, 0);
+        for (int64_t t = 0; t < tokens; ++t)
+          for (int64_t g = 0; g < group; ++g) {
+            const float* src = result.data() + (t * group + g) * head_dim;
+            T* dst = out + (first + t) * out_stride + (h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d]);
+          }
+      }
+  });
+}
+
+}  // namespace llmq_prompt
+#endif
