@@ -68,7 +68,7 @@ def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, d
     def prompt_kernel():
         kernels.prompt_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale)
 
-    tiled = best_of_3(prompt_kernel) if kernels.takes_prompt(q) else None
+    tiled = best_of_3(prompt_kernel) if kernels.takes_prompt(head_dim) else None
     return best_of_3(sdpa), best_of_3(kernel), tiled
 
 

@@ -135,9 +135,11 @@ class ModelRunner:
         self.attention_backend = choose_attention_backend(config.attention_backend, self.device.type,
                                                           cpu_kernels=self.kernels is not TORCH_KERNELS)
         local = self.plan.local_config
-        # The longest prompt chunk (its context) that the "cpu" attention kernel takes here; SDPA takes longer ones.
+        # The longest prompt chunk (its context) that the "cpu" attention kernel takes here, SDPA taking longer
+        # ones; None: every chunk (its prompt kernel takes the long ones).
         self.longest_kernel_prompt = longest_kernel_prompt(local.num_attention_heads,
-                                                           self.kernels.panel_products == "avx2")
+                                                           self.kernels.panel_products == "avx2",
+                                                           self.kernels.takes_prompt(local.head_dim))
         # One block more than the block manager hands out: the scratch block that the padding rows of
         # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
         self.num_cache_blocks = self.budget.num_blocks + 1

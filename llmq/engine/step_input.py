@@ -132,8 +132,7 @@ class StepInput:
         spans = [PrefillSpan(s.token_start, s.num_tokens, s.num_cached,
                              block_rows(tensor(s.context_blocks), num_kv_heads, num_blocks) if s.num_cached else None)
                  for s in prefills]
-        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes, kernel_prefills,
-                                 "cpu" if paged_kernel == "cpu" else None)
+        meta = AttentionMetadata(tensor(self.slots), block_size, groups, spans, kernel_decodes, kernel_prefills)
         return tensor(self.input_ids), tensor(self.positions), meta
 
     def read_deferred_ids(self, input_ids: torch.Tensor, previous_tokens: torch.Tensor | None) -> None:

@@ -11,9 +11,10 @@ and multiplies (DecodeGroup); "triton" and "cpu" hand all of them to one kernel 
 through the block tables in place (PagedDecodes): "triton" for CUDA (llmq/model/triton_attention.py),
 where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fused C++ kernel
 (llmq/model/cpu_kernels.py). Prompt chunks take SDPA, a call each, except with "triton", whose prefill
-kernel takes all of a step's chunks in one launch (PagedPrefills), and with "cpu": short ones in its
-decode kernel's call, each token as a decode at its position (longest_kernel_prompt), and longer ones, where
-this CPU's build has it, in its prompt kernel (csrc/prompt_attention.h), a call each as SDPA's.
+kernel takes all of a step's chunks in one launch (PagedPrefills), and with "cpu", whose kernel takes them
+in the same call as the decodes: short ones each token as a decode at its position, long ones in its prompt
+kernel where this CPU's build has one (csrc/prompt_attention.h), so that it takes every chunk; else only
+the short ones (longest_kernel_prompt).
 """
 from __future__ import annotations
 
@@ -96,7 +97,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     paged_decodes: PagedDecodes | None = None  # instead of `decodes`, with the "triton" or "cpu" backend
     paged_prefills: PagedPrefills | None = None  # instead of `prefills`, with the "triton" backend
-    prefill_kernel: str | None = None  # "cpu": the "cpu" backend's prompt kernel takes `prefills` where it can
 
 
 PAGED_KERNELS = ("triton", "cpu")  # the backends whose decodes are PagedDecodes
@@ -112,10 +112,14 @@ PROMPT_KERNEL_WORK = 8 * 128 ** 2
 LONGEST_KERNEL_PROMPT_AVX2 = 512
 
 
-def longest_kernel_prompt(num_heads: int, avx2_only: bool = False) -> int:
+def longest_kernel_prompt(num_heads: int, avx2_only: bool = False, prompt_kernel: bool = False) -> int | None:
     """The longest context (cached and new tokens) of a prompt chunk that the "cpu" attention kernel
-    takes, for a layer of `num_heads` query heads; longer chunks take SDPA. `avx2_only`: the CPU has
-    AVX2 and no AVX-512 (where the fused kernels multiply in panels: NativeKernels.panel_products)."""
+    takes, for a layer of `num_heads` query heads; longer chunks take SDPA. None: every chunk, where the
+    kernel has a prompt kernel for the layer's head size (`prompt_kernel`: NativeKernels.takes_prompt),
+    which takes the long ones in the same call. `avx2_only`: the CPU has AVX2 and no AVX-512 (where the
+    fused kernels multiply in panels: NativeKernels.panel_products)."""
+    if prompt_kernel:
+        return None
     if avx2_only:
         return LONGEST_KERNEL_PROMPT_AVX2
     return math.isqrt(PROMPT_KERNEL_WORK // max(1, num_heads))
@@ -198,11 +202,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             context = span.num_cached + span.num_tokens
             keys = gather_blocks(k_cache, span.context_rows, meta.block_size)[:, :context]  # [KVH, ctx, Dh]
             values = gather_blocks(v_cache, span.context_rows, meta.block_size)[:, :context]
-        kernels = native_kernels() if meta.prefill_kernel == "cpu" else None
-        if kernels is not None and kernels.takes_prompt(q):
-            out[rows] = kernels.prompt_attention(q[rows], keys, values, span.num_cached, scale)
-        else:
-            out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
+        out[rows] = _prefill_attention(q[rows], keys, values, span.num_cached, scale)
     return out
 
 

@@ -42,6 +42,11 @@ class TorchKernels:
     panel_products: str | None = None  # products over float32 or bfloat16 weights in panels: the same
 
     @staticmethod
+    def takes_prompt(head_dim: int) -> bool:
+        """Whether a prompt kernel takes long prompt chunks in the paged attention call: none here."""
+        return False
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; bit-identical to the steps below
             return F.rms_norm(x, weight.shape, weight, eps)
@@ -187,16 +192,17 @@ class NativeKernels(TorchKernels):
         self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
                                          query_tables)
 
-    def takes_prompt(self, q: torch.Tensor) -> bool:
-        """Whether `prompt_attention` takes a chunk of queries q [n, H, Dh] here: on a CPU whose build has it
-        (csrc/prompt_attention.h: the panel products' AVX2 multiply-adds), for a head size it supports."""
-        return q.is_cpu and q.stride(-1) == 1 and self._ops.prompt_attention_supported(q.shape[-1])
+    def takes_prompt(self, head_dim: int) -> bool:
+        """Whether this build has the prompt kernel (csrc/prompt_attention.h: on the panel products' AVX2
+        multiply-adds) for heads of `head_dim`: then `paged_decode_attention` takes a long prompt chunk in
+        it, and every chunk's attention is that call's."""
+        return self._ops.prompt_attention_supported(head_dim)
 
     def prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_cached: int,
                          scale: float) -> torch.Tensor:
-        """A prompt chunk's causal attention, q [n, H, Dh] over keys and values [KVH, num_cached + n, Dh]
-        (its context, its own tokens last) -> [n, H * Dh], where `takes_prompt(q)`; the twin of
-        attention.py's SDPA prefill."""
+        """The prompt kernel on its own (tests, benchmarks): a prompt chunk's causal attention, q [n, H, Dh]
+        over keys and values [KVH, num_cached + n, Dh] (its context, its own tokens last) -> [n, H * Dh],
+        where `takes_prompt(Dh)`; the twin of attention.py's SDPA prefill."""
         return self._ops.prompt_attention(q, keys, values, num_cached, scale)
 
 

@@ -88,7 +88,8 @@ def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_
     between its row groups at 256 and 512, and a token there attends to keys an earlier group wrote."""
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
     lengths = [100, 170, 150, 120]  # rows 0-99, 100-269, 270-419, 420-539: one prefill step of 540 rows
-    assert max(lengths) <= llm.engine.model_runner.longest_kernel_prompt  # every chunk the kernel's
+    longest = llm.engine.model_runner.longest_kernel_prompt
+    assert longest is None or max(lengths) <= longest  # every chunk the kernel's
     fused, taken = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=True)
     assert taken["declined"] == 0 and taken["most_rows"] == sum(lengths)
     plain, _ = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=False)
@@ -110,11 +111,30 @@ def test_a_decode_step_of_more_sequences_than_the_layer_takes_at_once(tiled_mode
 def test_a_step_with_an_sdpa_prompt_span_runs_the_layers_python(tiled_model, monkeypatch, dtype):
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
     longest = llm.engine.model_runner.longest_kernel_prompt
+    if longest is None:
+        pytest.skip("the prompt kernel takes every long chunk here: no step has an SDPA span")
     prompts = _prompts([8, longest + 20])  # the long one's chunk goes to SDPA
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
     assert taken["declined"] >= CONFIG["num_hidden_layers"] and taken["fused"] > 0
     plain, _ = _generate(llm, prompts, monkeypatch, fused=False)
     assert fused == plain
+
+
+def test_long_prompts_stay_in_the_fused_layer_where_the_prompt_kernel_takes_them(tiled_model, monkeypatch):
+    """Where this build has the prompt kernel (csrc/prompt_attention.h), a long chunk's attention is the
+    paged call's, inside the C++ layer; the 600-token prompt crosses its row groups (kLayerRowsAtOnce), so
+    that a later group's chunk reads keys an earlier one wrote. Held to the "torch" backend (SDPA)."""
+    llm = LLM(str(tiled_model), dtype="float32", enable_prefix_caching=False)
+    if llm.engine.model_runner.longest_kernel_prompt is not None:
+        pytest.skip("no prompt kernel here: long chunks are SDPA's")
+    prompts = _prompts([8, 600, 300], seed=3)
+    fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["declined"] == 0 and taken["most_rows"] == 908
+    reference = LLM(str(tiled_model), dtype="float32", enable_prefix_caching=False, attention_backend="torch")
+    expected, _ = _generate(reference, prompts, monkeypatch, fused=False)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(fused, expected):
+        assert tokens == want_tokens
+        assert [p.logprob for p in logprobs] == pytest.approx([p.logprob for p in want_logprobs], abs=1e-4)
 
 
 @pytest.mark.parametrize("engine_args", [{"prepack_weights": False}, {"quantization": "int8"}],

@@ -28,10 +28,11 @@ on_a_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is for a C
 KERNELS = [pytest.param("triton", marks=needs_triton), pytest.param("cpu", marks=on_a_cpu)]
 
 
-def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[int, int], ...] = ()) -> StepInput:
+def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[int, int], ...] = (),
+          num_blocks: int = NUM_BLOCKS) -> StepInput:
     """Decodes of the given context lengths over random distinct blocks, then prompt chunks, each of
     (cached, new) tokens: `new` tokens after `cached` ones already in the cache."""
-    order = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    order = torch.randperm(num_blocks, generator=generator).tolist()
     tables, taken = [], 0
     for length in lengths:
         count = -(-length // BLOCK_SIZE)
@@ -60,8 +61,7 @@ STEPS = {  # decodes' context lengths: one token, a block's edge, and the Triton
     # Chunks over several of Triton's 64-token query and key tiles, fresh and after cached tokens.
     "decodes+long chunks": ([5, 130], ((70, 90), (0, 130))),
 }
-# Steps whose longer prompt chunks the "cpu" kernel leaves to a call each (its prompt kernel's, or SDPA's):
-# (decodes, chunks, longest context it takes).
+# Steps whose longer prompt chunks the "cpu" kernel leaves to SDPA: (decodes, chunks, longest context it takes).
 ROUTED_STEPS = {
     "a long chunk between short ones": ([3, 17], ((0, 7), (4, 40), (5, 20)), 32),
     "long prompts only": ([], ((0, 40), (0, 70)), 32),
@@ -105,8 +105,7 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
 @on_a_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step_name", list(ROUTED_STEPS))
-def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_its_prompt_kernel_or_sdpa(step_name, dtype):
-    # The prompt kernel where this CPU's build has it (test_prompt_attention.py holds it to SDPA), else SDPA.
+def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
     assert native_kernels() is not None, native_kernels_failure()
     lengths, prefills, longest = ROUTED_STEPS[step_name]
     generator = torch.Generator().manual_seed(11)
@@ -124,9 +123,48 @@ def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_its_prompt_kernel_or_sdpa
         outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
         if paged_kernel:
             long_spans = [(c, n) for c, n in prefills if c + n > longest]
-            assert [(s.num_cached, s.num_tokens) for s in meta.prefills] == long_spans  # a call each takes these
-            assert meta.prefill_kernel == "cpu"
+            assert [(s.num_cached, s.num_tokens) for s in meta.prefills] == long_spans  # SDPA takes exactly these
             assert (meta.paged_decodes is not None) == (bool(lengths) or len(long_spans) < len(prefills))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs["cpu"], outs[None], **tolerance)
+    assert (outs["cpu"].abs().sum(dim=1) > 0).all()
+
+
+# Steps whose long chunks the "cpu" kernel's call gives its prompt kernel, where this build has one
+# (csrc/prompt_attention.h: chunks of at least 16 tokens with more than 256 of context); the rest of the
+# call, decodes and short chunks, each token as a decode. (decodes, chunks)
+PROMPT_KERNEL_STEPS = {
+    "a fresh long prompt": ([], ((0, 300),)),
+    "long chunks after cached tokens, among decodes": ([3, 300], ((250, 40), (0, 17), (280, 16))),
+    "a chunk too short for it, on a long context": ([5], ((400, 15), (0, 257))),
+}
+
+
+@on_a_cpu
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step_name", list(PROMPT_KERNEL_STEPS))
+def test_the_cpu_kernels_call_attends_to_long_chunks_as_the_torch_path_does(step_name, dtype, head_dim):
+    kernels = native_kernels()
+    assert kernels is not None, native_kernels_failure()
+    if not kernels.takes_prompt(head_dim):
+        pytest.skip("no prompt kernel here (it is built on AVX2 CPUs without AVX-512)")
+    lengths, prefills = PROMPT_KERNEL_STEPS[step_name]
+    num_blocks = 512
+    generator = torch.Generator().manual_seed(13)
+    step = _step(lengths, generator, prefills, num_blocks=num_blocks)
+    rows = step.num_tokens
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(dtype) for _ in range(2))
+    outs = {}
+    for paged_kernel in (None, "cpu"):
+        _, _, meta = step.to_tensors("cpu", NUM_KV_HEADS, num_blocks, BLOCK_SIZE, paged_kernel=paged_kernel,
+                                     longest_kernel_prompt=None)
+        TORCH_KERNELS.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        assert not meta.prefills or paged_kernel is None  # with "cpu", every chunk is the kernel's call's
+        outs[paged_kernel] = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs["cpu"], outs[None], **tolerance)
     assert (outs["cpu"].abs().sum(dim=1) > 0).all()
@@ -141,6 +179,11 @@ def test_the_longest_prompt_the_kernel_takes_shrinks_with_the_query_heads():
 def test_on_an_avx2_cpu_without_avx512_the_kernel_takes_prompts_up_to_512_tokens_whatever_the_heads():
     # There torch's SDPA is the slower of the two up to about 512 tokens at 8 heads (1,024 at 32).
     assert {longest_kernel_prompt(heads, avx2_only=True) for heads in (1, 8, 32, 64)} == {512}
+
+
+def test_with_a_prompt_kernel_the_kernel_takes_every_chunk():
+    assert longest_kernel_prompt(8, avx2_only=True, prompt_kernel=True) is None
+    assert longest_kernel_prompt(32, prompt_kernel=True) is None
 
 
 @on_a_cpu

@@ -545,18 +545,41 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) >= q.size(0) &&
                   out.size(1) == q.size(1) * q.size(2) && out.scalar_type() == q.scalar_type(),
               "out must be [N, H * head_dim] in q's dtype");
+  // The long prompt chunks go to the prompt kernel where this build has it; the rest, each token as a decode.
+  torch::Tensor decode_lens = context_lens;
+#ifdef LLMQ_HAS_PROMPT_ATTENTION
+  if (query_table_ptr != nullptr && llmq_prompt::supports(q.size(2))) {
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const auto chunks = llmq_prompt::long_chunks(query_table_ptr, lens, q.size(0));
+    if (!chunks.empty()) decode_lens = context_lens.clone();
+    for (const auto& chunk : chunks) {
+      std::fill_n(decode_lens.data_ptr<int32_t>() + chunk.first, chunk.tokens, 0);  // the decode kernel skips them
+      const int64_t head_stride = k_cache.stride(0), token_stride = k_cache.stride(1);
+      const llmq_prompt::Context where{head_stride, token_stride, head_stride, token_stride,
+                                       block_tables.data_ptr<int32_t>() + query_table_ptr[chunk.first] * block_tables.stride(0),
+                                       block_size};
+      DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
+        llmq_prompt::attend_chunk<scalar_t>(q.data_ptr<scalar_t>() + chunk.first * q.stride(0), q.stride(0), q.stride(1),
+                                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), where,
+                                            chunk.tokens, q.size(1), k_cache.size(0), q.size(2), lens[chunk.first] - 1,
+                                            static_cast<float>(scale), out.data_ptr<scalar_t>() + chunk.first * out.stride(0),
+                                            out.stride(0));
+      });
+    }
+  }
+#endif
 #ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
   if (q.scalar_type() == at::kBFloat16 && llmq_bf16::supports(q.size(2))) {
     llmq_bf16::decode_attention(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
                                 v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
-                                block_tables.stride(0), query_table_ptr, context_lens.data_ptr<int32_t>(), q.size(0),
+                                block_tables.stride(0), query_table_ptr, decode_lens.data_ptr<int32_t>(), q.size(0),
                                 q.size(1), k_cache.size(0), q.size(2), block_size, static_cast<float>(scale),
                                 out.data_ptr<at::BFloat16>(), out.stride(0));
     return;
   }
 #endif
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_table_ptr, context_lens, block_size,
+    decode_attention_kernel<scalar_t>(q, k_cache, v_cache, block_tables, query_table_ptr, decode_lens, block_size,
                                       scale, out);
   });
 }
@@ -602,10 +625,11 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& keys
   torch::Tensor out = torch::empty({n, num_heads * head_dim}, q.options());
   if (n == 0) return out;
   DISPATCH_FLOAT_TYPES(q.scalar_type(), "prompt_attention", [&] {
+    const llmq_prompt::Context where{keys.stride(0), keys.stride(1), values.stride(0), values.stride(1)};
     llmq_prompt::attend_chunk<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), keys.data_ptr<scalar_t>(),
-                                        keys.stride(0), keys.stride(1), values.data_ptr<scalar_t>(), values.stride(0),
-                                        values.stride(1), n, num_heads, keys.size(0), head_dim, num_cached,
-                                        static_cast<float>(scale), out.data_ptr<scalar_t>(), out.stride(0));
+                                        values.data_ptr<scalar_t>(), where, n, num_heads, keys.size(0), head_dim,
+                                        num_cached, static_cast<float>(scale), out.data_ptr<scalar_t>(),
+                                        out.stride(0));
   });
   return out;
 #else

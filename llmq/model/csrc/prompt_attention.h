@@ -34,6 +34,14 @@ using fVec = at::vec::Vectorized<float>;
 // rows of the products (a multiple of the panels' blocks of 6 rows at G = 1, 2, 3 or 6).
 constexpr int64_t kTileTokens = 12;
 
+// In a call of the paged kernel (cpu_kernels.cpp's paged_decode_attention), the prompt chunks this kernel
+// takes instead of each of their tokens as a decode: those of at least kShortestChunk tokens whose context
+// is longer than kLongestDecodedContext. Below either, the decode kernel measured the faster of the two
+// (benchmarks/prompt_attention.py): this kernel's cost per call, laying out the context's keys and values,
+// is paid once per chunk.
+constexpr int64_t kShortestChunk = 16;
+constexpr int64_t kLongestDecodedContext = 256;
+
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // Whether the kernel takes a head size: the values' panels are 16 of their columns each.
@@ -70,15 +78,26 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t width, const int64
   }
 }
 
-// q [n, H, Dh] (heads contiguous), keys and values [KVH, n + num_cached, Dh] (each token's Dh contiguous),
+// Where a context's token t lies in its keys and values (element strides): tensors [KVH, tokens, Dh], or
+// the paged caches [KVH, slots, Dh] through a block table row (token t at slot
+// table[t / block_size] * block_size + t % block_size).
+struct Context {
+  int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
+  const int32_t* table = nullptr;  // paged: the sequence's block table row; nullptr: token t is row t
+  int64_t block_size = 1;
+
+  int64_t row(int64_t t) const {
+    return table == nullptr ? t : static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+  }
+};
+
+// q [n, H, Dh] (heads contiguous; strides in elements), the keys and values of its context (`where`),
 // the chunk's token i at position num_cached + i -> out [n, H * Dh]; T is the tensors' element type,
 // computed in float32.
-// Strides are in elements: a query token's and head's, a key's and value's head and token.
 template <typename T>
-void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* keys, int64_t k_head_stride,
-                  int64_t k_token_stride, const T* values, int64_t v_head_stride, int64_t v_token_stride, int64_t n,
-                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_cached, float scale, T* out,
-                  int64_t out_stride) {
+void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* keys, const T* values,
+                  const Context& where, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                  int64_t num_cached, float scale, T* out, int64_t out_stride) {
   const int64_t context = num_cached + n, width = round_up(context, kPanelColumns);
   const int64_t key_panels = width / kPanelColumns, value_panels = head_dim / kPanelColumns;
   const int64_t group = num_heads / num_kv_heads, head_floats = width * head_dim;
@@ -92,8 +111,9 @@ void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
       float* kp = key_tiles.data() + h * head_floats + p * head_dim * kPanelColumns;
       for (int64_t j = 0; j < kPanelColumns; ++j) {
         const int64_t t = p * kPanelColumns + j;
-        const T* key = keys + h * k_head_stride + t * k_token_stride;
-        const T* value = values + h * v_head_stride + t * v_token_stride;
+        const int64_t row = t < context ? where.row(t) : 0;  // past the context: zeros, read nothing
+        const T* key = keys + h * where.k_head_stride + row * where.k_token_stride;
+        const T* value = values + h * where.v_head_stride + row * where.v_token_stride;
         for (int64_t d = 0; d < head_dim; ++d) kp[d * kPanelColumns + j] = t < context ? static_cast<float>(key[d]) : 0.f;
         for (int64_t c = 0; c < value_panels; ++c) {
           float* vp = value_tiles.data() + h * head_floats + (c * width + t) * kPanelColumns;
@@ -149,6 +169,26 @@ void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
           }
       }
   });
+}
+
+// Rows first .. first + tokens - 1 of a paged kernel's call: one prompt chunk's tokens.
+struct Chunk {
+  int64_t first, tokens;
+};
+
+// The chunks among a paged call's n queries that this kernel takes (kShortestChunk, kLongestDecodedContext):
+// runs of queries that read the same block table row (query_tables), each one position past the last
+// (lens, their context lengths; a row the call leaves alone has none).
+inline std::vector<Chunk> long_chunks(const int32_t* query_tables, const int32_t* lens, int64_t n) {
+  std::vector<Chunk> chunks;
+  for (int64_t first = 0, last = 0; first < n; first = last) {
+    last = first + 1;
+    while (last < n && lens[first] > 0 && query_tables[last] == query_tables[first] &&
+           lens[last] == lens[last - 1] + 1)
+      ++last;
+    if (last - first >= kShortestChunk && lens[last - 1] > kLongestDecodedContext) chunks.push_back({first, last - first});
+  }
+  return chunks;
 }
 
 }  // namespace llmq_prompt
