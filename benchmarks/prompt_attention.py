@@ -3,11 +3,11 @@ the CPU's prompt kernel (its tokens in tiles, as small matrix products).
 
     python benchmarks/prompt_attention.py
 
-With the `cpu` attention backend, a prompt chunk goes to the paged kernel while its query heads times its
-context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK (on an AVX2 CPU without
-AVX-512: while its context is at most LONGEST_KERNEL_PROMPT_AVX2), and otherwise to a call of its own:
-the prompt kernel's where this CPU's build has it (csrc/prompt_attention.h: AVX2 CPUs without AVX-512),
-else SDPA's. This prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64)
+With the `cpu` attention backend, where this CPU's build has the prompt kernel (csrc/prompt_attention.h:
+AVX2 CPUs without AVX-512), every prompt chunk goes to the paged kernel's call, which gives the prompt
+kernel those of 16 tokens or more with over 128 of context; elsewhere a chunk goes to the paged kernel
+while its query heads times its context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK,
+and to SDPA otherwise. This prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64)
 and the 1.1 B model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and
 float32, and which way the engine takes it. The paged kernel saves a call's cost, which is what a short
 prompt pays, and keeps the step's layers in one C++ call each (cpu_kernels.cpp's decoder_layer); its work
@@ -30,6 +30,9 @@ from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noq
 
 SHAPES = {"bench-42m": (8, 4, 64), "llama-1b": (32, 4, 64)}
 LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
+# A fresh prompt longer than this goes to the prompt kernel within the paged call, where this build has it
+# (csrc/prompt_attention.h's kLongestDecodedContext).
+PROMPT_KERNEL_FROM = 128
 BLOCK_SIZE = 8
 
 
@@ -52,9 +55,12 @@ def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, d
     blocks = -(-length // BLOCK_SIZE)
     k_cache, v_cache = (torch.zeros(kv_heads, blocks * BLOCK_SIZE, head_dim, dtype=dtype) for _ in range(2))
     k_cache[:, :length], v_cache[:, :length] = k.transpose(0, 1), v.transpose(0, 1)
-    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    # A row of the block table for each token, rather than query tables naming one shared row: each token
+    # as a decode, which the paged call would otherwise give the prompt kernel past its threshold. (Each
+    # token then also asks for its context ahead of it, which a chunk's tokens after the first do not: the
+    # longer prompts' figures in this column run above what a chunk's tokens as decodes used to cost.)
+    tables = torch.arange(blocks, dtype=torch.int32)[None].expand(length, -1).contiguous()
     lengths = torch.arange(1, length + 1, dtype=torch.int32)
-    query_tables = torch.zeros(length, dtype=torch.int32)
     out = torch.empty(length, heads * head_dim, dtype=dtype)
     scale = head_dim ** -0.5
 
@@ -63,7 +69,7 @@ def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, d
                                        is_causal=True, scale=scale, enable_gqa=True)
 
     def kernel():
-        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, BLOCK_SIZE, scale, out, query_tables)
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, BLOCK_SIZE, scale, out)
 
     def prompt_kernel():
         kernels.prompt_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale)
@@ -81,11 +87,14 @@ def main() -> None:
           "prompt / SDPA | the engine takes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
-        longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2")
+        longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2", kernels.takes_prompt(head_dim))
         for dtype in (torch.bfloat16, torch.float32):
             for length in LENGTHS:
                 sdpa, kernel, tiled = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)
-                takes = "paged kernel" if length <= longest else "prompt kernel" if tiled is not None else "SDPA"
+                if longest is None:  # every chunk the paged call's, which gives the prompt kernel the long ones
+                    takes = "prompt kernel" if length > PROMPT_KERNEL_FROM else "paged kernel"
+                else:
+                    takes = "paged kernel" if length <= longest else "SDPA"
                 tiled_ms, tiled_ratio = ("-", "-") if tiled is None else (f"{tiled * 1e3:.2f}", f"{tiled / sdpa:.2f}")
                 print(f"| {name} | {str(dtype).removeprefix('torch.')} | {length} | {sdpa * 1e3:.2f} | "
                       f"{kernel * 1e3:.2f} | {tiled_ms} | {kernel / sdpa:.2f} | {tiled_ratio} | {takes} |", flush=True)

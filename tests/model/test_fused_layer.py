@@ -87,7 +87,10 @@ def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_
     """More rows than the C++ layer takes at once (kLayerRowsAtOnce, 256): prompts cross the boundaries
     between its row groups at 256 and 512, and a token there attends to keys an earlier group wrote."""
     llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
-    lengths = [100, 170, 150, 120]  # rows 0-99, 100-269, 270-419, 420-539: one prefill step of 540 rows
+    # Rows 0-99, 100-219, 220-329, 330-449, 450-539: one prefill step of 540 rows. Each prompt's tokens
+    # attend as decodes (at most 128 of context: none is the prompt kernel's, which a chunk split at a
+    # boundary would take on one side only, its sums in another order).
+    lengths = [100, 120, 110, 120, 90]
     longest = llm.engine.model_runner.longest_kernel_prompt
     assert longest is None or max(lengths) <= longest  # every chunk the kernel's
     fused, taken = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=True)

@@ -131,7 +131,7 @@ def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
 
 
 # Steps whose long chunks the "cpu" kernel's call gives its prompt kernel, where this build has one
-# (csrc/prompt_attention.h: chunks of at least 16 tokens with more than 256 of context); the rest of the
+# (csrc/prompt_attention.h: chunks of at least 16 tokens with more than 128 of context); the rest of the
 # call, decodes and short chunks, each token as a decode. (decodes, chunks)
 PROMPT_KERNEL_STEPS = {
     "a fresh long prompt": ([], ((0, 300),)),

@@ -40,7 +40,7 @@ constexpr int64_t kTileTokens = 12;
 // (benchmarks/prompt_attention.py): this kernel's cost per call, laying out the context's keys and values,
 // is paid once per chunk.
 constexpr int64_t kShortestChunk = 16;
-constexpr int64_t kLongestDecodedContext = 256;
+constexpr int64_t kLongestDecodedContext = 128;
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
