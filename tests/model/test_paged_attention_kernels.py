@@ -53,6 +53,16 @@ def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[
     return StepInput([0] * rows, positions, slots, decodes, spans, [], [])
 
 
+def _operands(rows: int, head_dim: int, dtype: torch.dtype, generator: torch.Generator,
+              num_blocks: int = NUM_BLOCKS, device: str = "cpu"):
+    """Random caches [KVH, slots, Dh], and a step's q [rows, H, Dh], k and v [rows, KVH, Dh]."""
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * BLOCK_SIZE, head_dim, generator=generator)
+                        .to(device, dtype) for _ in range(2))
+    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(device, dtype)
+    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(device, dtype) for _ in range(2))
+    return k_cache, v_cache, q, k, v
+
+
 STEPS = {  # decodes' context lengths: one token, a block's edge, and the Triton kernel's 64-token tile's
     "decodes": ([1, 4, 5, 63, 64, 65, 130], ()),
     "decodes+chunk": ([1, 4, 5, 63, 64, 65, 130], ((9, 5),)),
@@ -81,11 +91,7 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
     lengths, prefills = STEPS[step_name]
     generator = torch.Generator().manual_seed(7)
     step = _step(lengths, generator, prefills)
-    rows = step.num_tokens
-    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator)
-                        .to(DEVICE, dtype) for _ in range(2))
-    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(DEVICE, dtype)
-    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    k_cache, v_cache, q, k, v = _operands(step.num_tokens, head_dim, dtype, generator, device=DEVICE)
     outs = {}
     for paged_kernel in (None, kernel):
         _, _, meta = step.to_tensors(DEVICE, NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel)
@@ -110,11 +116,8 @@ def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
     lengths, prefills, longest = ROUTED_STEPS[step_name]
     generator = torch.Generator().manual_seed(11)
     step = _step(lengths, generator, prefills)
-    head_dim, rows = 64, step.num_tokens
-    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, NUM_BLOCKS * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
-                        for _ in range(2))
-    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(dtype)
-    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(dtype) for _ in range(2))
+    head_dim = 64
+    k_cache, v_cache, q, k, v = _operands(step.num_tokens, head_dim, dtype, generator)
     outs = {}
     for paged_kernel in (None, "cpu"):
         _, _, meta = step.to_tensors("cpu", NUM_KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, paged_kernel=paged_kernel,
@@ -153,11 +156,7 @@ def test_the_cpu_kernels_call_attends_to_long_chunks_as_the_torch_path_does(step
     num_blocks = 512
     generator = torch.Generator().manual_seed(13)
     step = _step(lengths, generator, prefills, num_blocks=num_blocks)
-    rows = step.num_tokens
-    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * BLOCK_SIZE, head_dim, generator=generator).to(dtype)
-                        for _ in range(2))
-    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(dtype)
-    k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(dtype) for _ in range(2))
+    k_cache, v_cache, q, k, v = _operands(step.num_tokens, head_dim, dtype, generator, num_blocks=num_blocks)
     outs = {}
     for paged_kernel in (None, "cpu"):
         _, _, meta = step.to_tensors("cpu", NUM_KV_HEADS, num_blocks, BLOCK_SIZE, paged_kernel=paged_kernel,

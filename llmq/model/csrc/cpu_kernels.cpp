@@ -35,6 +35,7 @@
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
 #include "prompt_attention.h"
+#include "softmax.h"
 #include "work_split.h"
 
 // float32, bfloat16 and float16: the dtypes the engine computes in.
@@ -381,27 +382,7 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   if (ahead != nullptr) ahead->next(ahead->lines());
   // Softmax's exponentials; each head's 1 / sum scales its weighted sum of values at the end.
   float inv_total[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * length;
-    int64_t i = 0;
-    fVec top_v(-std::numeric_limits<float>::infinity());
-    for (; i + kLanes <= length; i += kLanes) top_v = at::vec::maximum(top_v, fVec::loadu(s + i));
-    float top = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, top_v);
-    for (; i < length; ++i) top = std::max(top, s[i]);
-    top_v = fVec(top);
-    fVec total_v(0.f);
-    for (i = 0; i + kLanes <= length; i += kLanes) {
-      const fVec e = (fVec::loadu(s + i) - top_v).exp_u20();
-      e.store(s + i);
-      total_v = total_v + e;
-    }
-    float total = sum_lanes(total_v);
-    for (; i < length; ++i) {
-      s[i] = std::exp(s[i] - top);
-      total += s[i];
-    }
-    inv_total[g] = 1.f / total;
-  }
+  for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / llmq_softmax::exponentiate(scores + g * length, length);
   // The weighted sum of values, a head at a time. Below eight vectors a head, two running sums (even and
   // odd tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second
   // would not fit in AVX2's sixteen registers.

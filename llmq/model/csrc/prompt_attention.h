@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "softmax.h"
 #include "work_split.h"
 
 namespace llmq_prompt {
@@ -54,25 +55,10 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t width, const int64
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * width;
     const int64_t length = lengths[r];
-    int64_t i = 0;
-    fVec top_v(-std::numeric_limits<float>::infinity());
-    for (; i + lanes <= length; i += lanes) top_v = at::vec::maximum(top_v, fVec::loadu(s + i));
-    float top = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, top_v);
-    for (; i < length; ++i) top = std::max(top, s[i]);
-    top_v = fVec(top);
-    fVec total_v(0.f);
-    for (i = 0; i + lanes <= length; i += lanes) {
-      const fVec e = (fVec::loadu(s + i) - top_v).exp_u20();
-      e.store(s + i);
-      total_v = total_v + e;
-    }
-    float total = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total_v);
-    for (; i < length; ++i) {
-      s[i] = std::exp(s[i] - top);
-      total += s[i];
-    }
+    const float total = llmq_softmax::exponentiate(s, length);
     const fVec inv(1.f / total);
-    for (i = 0; i + lanes <= length; i += lanes) (fVec::loadu(s + i) * inv).store(s + i);
+    int64_t i = 0;
+    for (; i + lanes <= length; i += lanes) (fVec::loadu(s + i) * inv).store(s + i);
     for (; i < length; ++i) s[i] *= 1.f / total;
     std::fill(s + length, s + width, 0.f);
   }
