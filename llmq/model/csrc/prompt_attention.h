@@ -7,8 +7,8 @@
 // cores' peak, below torch's SDPA (benchmarks/prompt_attention.py). Here a tile of the chunk's tokens,
 // times one KV head's query heads, multiplies that head's keys and then its values as products of a
 // few dozen rows: the keys, laid out once per call as panels of 16 ([Dh, 16] each), and the values (panels
-// of 16 of their columns), are read from L1 by every row of the tile, as a weight's panels are by a
-// product's rows. The softmax is exact: a tile's every score first, then its weighted sum of values.
+// of 16 of their columns), are read from the caches by every row of the tile, as a weight's panels are by
+// a product's rows. The softmax is exact: a tile's every score first, then its weighted sum of values.
 #pragma once
 
 #ifdef LLMQ_HAS_PANEL_LINEAR
@@ -18,9 +18,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "softmax.h"
@@ -32,14 +30,15 @@ using llmq_panels::kPanelColumns;
 using fVec = at::vec::Vectorized<float>;
 
 // Tokens of the chunk that share one pass over their KV head's context: with its G query heads, the
-// rows of the products (a multiple of the panels' blocks of 6 rows at G = 1, 2, 3 or 6).
+// products' rows, a multiple of the panels' blocks of 6 rows whatever G.
 constexpr int64_t kTileTokens = 12;
 
 // In a call of the paged kernel (cpu_kernels.cpp's paged_decode_attention), the prompt chunks this kernel
 // takes instead of each of their tokens as a decode: those of at least kShortestChunk tokens whose context
-// is longer than kLongestDecodedContext. Below either, the decode kernel measured the faster of the two
-// (benchmarks/prompt_attention.py): this kernel's cost per call, laying out the context's keys and values,
-// is paid once per chunk.
+// is longer than kLongestDecodedContext. Up to 128 tokens of a fresh prompt the decode kernel measured as
+// fast (benchmarks/prompt_attention.py). A chunk of a few tokens after a long cached prefix would pay this
+// kernel's cost per call, laying out the whole context's keys and values, for little work: below 16
+// tokens it stays decodes (a bound chosen, not measured).
 constexpr int64_t kShortestChunk = 16;
 constexpr int64_t kLongestDecodedContext = 128;
 
