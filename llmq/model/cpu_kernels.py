@@ -188,7 +188,8 @@ class NativeKernels(TorchKernels):
         """Each query token of q [N, H, Dh] as a decode against caches [KVH, slots, Dh], into out
         [N, H * Dh]: query n reads int32 block_tables [rows, max_blocks] row query_tables[n] (int32 [N];
         row n where None) over its context_lens[n] positions (itself included). A prompt chunk's tokens
-        share their sequence's row, each with its own length."""
+        share their sequence's row, each with its own length; where `takes_prompt(Dh)`, a long chunk's go
+        to the prompt kernel in this call (csrc/prompt_attention.h says which)."""
         self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
                                          query_tables)
 
