@@ -5,7 +5,8 @@ the CPU's prompt kernel (its tokens in tiles, as small matrix products).
 
 With the `cpu` attention backend, where this CPU's build has the prompt kernel (csrc/prompt_attention.h:
 AVX2 CPUs without AVX-512), every prompt chunk goes to the paged kernel's call, which gives the prompt
-kernel those of 16 tokens or more with over 128 of context; elsewhere a chunk goes to the paged kernel
+kernel those over 128 tokens of context (a fresh prompt's, and after a cached prefix those of enough
+tokens: csrc/prompt_attention.h); elsewhere a chunk goes to the paged kernel
 while its query heads times its context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK,
 and to SDPA otherwise. This prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64)
 and the 1.1 B model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and

@@ -134,12 +134,13 @@ def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
 
 
 # Steps whose long chunks the "cpu" kernel's call gives its prompt kernel, where this build has one
-# (csrc/prompt_attention.h: chunks of at least 16 tokens with more than 128 of context); the rest of the
-# call, decodes and short chunks, each token as a decode. (decodes, chunks)
+# (csrc/prompt_attention.h: chunks with more than 128 of context whose tokens times query heads per KV head,
+# 3 here, are at least 64); the rest of the call, decodes and short chunks, each token as a decode.
+# (decodes, chunks)
 PROMPT_KERNEL_STEPS = {
     "a fresh long prompt": ([], ((0, 300),)),
-    "long chunks after cached tokens, among decodes": ([3, 300], ((250, 40), (0, 17), (280, 16))),
-    "a chunk too short for it, on a long context": ([5], ((400, 15), (0, 257))),
+    "long chunks after cached tokens, among decodes": ([3, 300], ((250, 40), (0, 17), (280, 22))),
+    "a chunk too short for it, on a long context": ([5], ((400, 21), (0, 257))),
 }
 
 

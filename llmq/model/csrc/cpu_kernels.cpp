@@ -531,7 +531,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 #ifdef LLMQ_HAS_PROMPT_ATTENTION
   if (query_table_ptr != nullptr && llmq_prompt::supports(q.size(2))) {
     const int32_t* lens = context_lens.data_ptr<int32_t>();
-    const auto chunks = llmq_prompt::long_chunks(query_table_ptr, lens, q.size(0));
+    const auto chunks = llmq_prompt::long_chunks(query_table_ptr, lens, q.size(0), q.size(1) / k_cache.size(0));
     if (!chunks.empty()) decode_lens = context_lens.clone();
     for (const auto& chunk : chunks) {
       std::fill_n(decode_lens.data_ptr<int32_t>() + chunk.first, chunk.tokens, 0);  // the decode kernel skips them

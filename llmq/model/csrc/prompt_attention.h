@@ -29,17 +29,20 @@ namespace llmq_prompt {
 using llmq_panels::kPanelColumns;
 using fVec = at::vec::Vectorized<float>;
 
-// Tokens of the chunk that share one pass over their KV head's context: with its G query heads, the
-// products' rows, a multiple of the panels' blocks of 6 rows whatever G.
+// The most tokens of the chunk that share one pass over their KV head's context: with its G query heads,
+// the products' rows. A chunk's tiles are as even as they divide (16 tokens go as 8 + 8, not 12 + 4: a
+// tile of few tokens passes over the whole context for little work).
 constexpr int64_t kTileTokens = 12;
 
 // In a call of the paged kernel (cpu_kernels.cpp's paged_decode_attention), the prompt chunks this kernel
-// takes instead of each of their tokens as a decode: those of at least kShortestChunk tokens whose context
-// is longer than kLongestDecodedContext. Up to 128 tokens of a fresh prompt the decode kernel measured as
-// fast (benchmarks/prompt_attention.py). A chunk of a few tokens after a long cached prefix would pay this
-// kernel's cost per call, laying out the whole context's keys and values, for little work: below 16
-// tokens it stays decodes (a bound chosen, not measured).
-constexpr int64_t kShortestChunk = 16;
+// takes instead of each of their tokens as a decode: those whose context is longer than
+// kLongestDecodedContext and whose tokens times query heads per KV head (the rows of its products) are at
+// least kLeastRows. Up to 128 tokens of a fresh prompt the decode kernel measured as fast
+// (benchmarks/prompt_attention.py). A chunk of few tokens after a cached prefix pays this kernel's cost per
+// call, laying out the whole context's keys and values once per KV head, for little work: after 200 and
+// 1,000 cached tokens on an AVX2 EPYC, this kernel measured faster from 32 tokens at 2 query heads per KV
+// head and from 8 at 8, and at 16 and 2 slower or level (the figures vary by a third from run to run).
+constexpr int64_t kLeastRows = 64;
 constexpr int64_t kLongestDecodedContext = 128;
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
@@ -111,21 +114,22 @@ void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
 
   // Pieces of work: (tile of tokens, KV head), dealt to threads in contiguous runs of about equal work,
   // a later tile's context being longer.
-  const int64_t tiles = (n + kTileTokens - 1) / kTileTokens;
+  const int64_t tiles = (n + kTileTokens - 1) / kTileTokens, tile_tokens = (n + tiles - 1) / tiles;
   std::vector<int32_t> tile_context(tiles);
   for (int64_t tile = 0; tile < tiles; ++tile)
-    tile_context[tile] = static_cast<int32_t>(num_cached + std::min(n, (tile + 1) * kTileTokens));
+    tile_context[tile] = static_cast<int32_t>(num_cached + std::min(n, (tile + 1) * tile_tokens));
   const int64_t threads = std::max(1, at::get_num_threads());
   const std::vector<int64_t> runs = llmq_split::balanced_runs(tile_context.data(), tiles, num_kv_heads, threads);
 
   at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
-    const int64_t most_rows = kTileTokens * group;
+    const int64_t most_rows = tile_tokens * group;
     std::vector<float> query(most_rows * head_dim), scores(most_rows * width), result(most_rows * head_dim);
     std::vector<int64_t> lengths(most_rows);
     for (int64_t run = first_run; run < last_run; ++run)
       for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
         const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
-        const int64_t first = tile * kTileTokens, tokens = std::min(kTileTokens, n - first);
+        const int64_t first = tile * tile_tokens, tokens = std::min(tile_tokens, n - first);
+        if (tokens <= 0) continue;
         const int64_t rows = tokens * group;  // row t * G + g: the tile's token t, the head's query head g
         const int64_t span = round_up(tile_context[tile], kPanelColumns);  // the keys any row of the tile reads
         for (int64_t t = 0; t < tokens; ++t)
@@ -161,17 +165,18 @@ struct Chunk {
   int64_t first, tokens;
 };
 
-// The chunks among a paged call's n queries that this kernel takes (kShortestChunk, kLongestDecodedContext):
-// runs of queries that read the same block table row (query_tables), each one position past the last
-// (lens, their context lengths; a row the call leaves alone has none).
-inline std::vector<Chunk> long_chunks(const int32_t* query_tables, const int32_t* lens, int64_t n) {
+// The chunks among a paged call's n queries (`group` query heads per KV head) that this kernel takes
+// (kLeastRows, kLongestDecodedContext): runs of queries that read the same block table row (query_tables),
+// each one position past the last (lens, their context lengths; a row the call leaves alone has none).
+inline std::vector<Chunk> long_chunks(const int32_t* query_tables, const int32_t* lens, int64_t n, int64_t group) {
   std::vector<Chunk> chunks;
   for (int64_t first = 0, last = 0; first < n; first = last) {
     last = first + 1;
     while (last < n && lens[first] > 0 && query_tables[last] == query_tables[first] &&
            lens[last] == lens[last - 1] + 1)
       ++last;
-    if (last - first >= kShortestChunk && lens[last - 1] > kLongestDecodedContext) chunks.push_back({first, last - first});
+    if ((last - first) * group >= kLeastRows && lens[last - 1] > kLongestDecodedContext)
+      chunks.push_back({first, last - first});
   }
   return chunks;
 }
