@@ -100,5 +100,6 @@ def main() -> None:
                 print(f"| {name} | {str(dtype).removeprefix('torch.')} | {length} | {sdpa * 1e3:.2f} | "
                       f"{kernel * 1e3:.2f} | {tiled_ms} | {kernel / sdpa:.2f} | {tiled_ratio} | {takes} |", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 (attention.py's _prefill_attention): a prompt chunk's queries over its whole context, fresh or after
 cached tokens, with its tokens in tiles (one token, a tile's edge, several tiles), grouped KV heads, the
 head sizes it takes, every dtype the engine computes in, and keys and values that are views of other
-tensors, as the model passes them. The kernel is built where the panel products are (AVX2 CPUs without
+tensors (the SDPA path's layout; the engine itself calls it through the paged cache). The kernel is built where the panel products are (AVX2 CPUs without
 AVX-512); elsewhere these tests skip and the "cpu" backend's long chunks stay SDPA's."""
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_a_long_prompt_over_many_tiles(kernels):
 
 
 def test_keys_and_values_may_be_views_with_strides_of_their_own(kernels):
-    # As the model passes a fresh prompt's: q, k and v slices of one qkv projection, k and v transposed to
-    # [KVH, n, Dh]; and a value view into a wider cache-like tensor.
+    # As the SDPA path lays out a fresh prompt's: q, k and v slices of one qkv projection, k and v
+    # transposed to [KVH, n, Dh]; and a value view into a wider cache-like tensor.
     generator = torch.Generator().manual_seed(9)
     qkv = torch.randn(33, 8 + 2 * 4, 64, generator=generator)
     q, keys = qkv[:, :8], qkv[:, 8:12].transpose(0, 1)

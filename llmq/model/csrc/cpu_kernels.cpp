@@ -533,18 +533,17 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
     const int32_t* lens = context_lens.data_ptr<int32_t>();
     const auto chunks = llmq_prompt::long_chunks(query_table_ptr, lens, q.size(0), q.size(1) / k_cache.size(0));
     if (!chunks.empty()) decode_lens = context_lens.clone();
+    const int64_t head_stride = k_cache.stride(0), token_stride = k_cache.stride(1);  // the caches' alike
     for (const auto& chunk : chunks) {
       std::fill_n(decode_lens.data_ptr<int32_t>() + chunk.first, chunk.tokens, 0);  // the decode kernel skips them
-      const int64_t head_stride = k_cache.stride(0), token_stride = k_cache.stride(1);
-      const llmq_prompt::Context where{head_stride, token_stride, head_stride, token_stride,
-                                       block_tables.data_ptr<int32_t>() + query_table_ptr[chunk.first] * block_tables.stride(0),
-                                       block_size};
+      const int32_t* table = block_tables.data_ptr<int32_t>() + query_table_ptr[chunk.first] * block_tables.stride(0);
+      const llmq_prompt::Context where{head_stride, token_stride, head_stride, token_stride, table, block_size};
       DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
-        llmq_prompt::attend_chunk<scalar_t>(q.data_ptr<scalar_t>() + chunk.first * q.stride(0), q.stride(0), q.stride(1),
-                                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), where,
-                                            chunk.tokens, q.size(1), k_cache.size(0), q.size(2), lens[chunk.first] - 1,
-                                            static_cast<float>(scale), out.data_ptr<scalar_t>() + chunk.first * out.stride(0),
-                                            out.stride(0));
+        llmq_prompt::attend_chunk<scalar_t>(q.data_ptr<scalar_t>() + chunk.first * q.stride(0), q.stride(0),
+                                            q.stride(1), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                            where, chunk.tokens, q.size(1), k_cache.size(0), q.size(2),
+                                            lens[chunk.first] - 1, static_cast<float>(scale),
+                                            out.data_ptr<scalar_t>() + chunk.first * out.stride(0), out.stride(0));
       });
     }
   }

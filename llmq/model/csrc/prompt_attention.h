@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "softmax.h"
@@ -57,11 +58,11 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t width, const int64
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * width;
     const int64_t length = lengths[r];
-    const float total = llmq_softmax::exponentiate(s, length);
-    const fVec inv(1.f / total);
+    const float inv_total = 1.f / llmq_softmax::exponentiate(s, length);
+    const fVec inv(inv_total);
     int64_t i = 0;
     for (; i + lanes <= length; i += lanes) (fVec::loadu(s + i) * inv).store(s + i);
-    for (; i < length; ++i) s[i] *= 1.f / total;
+    for (; i < length; ++i) s[i] *= inv_total;
     std::fill(s + length, s + width, 0.f);
   }
 }
@@ -91,22 +92,23 @@ void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
   const int64_t group = num_heads / num_kv_heads, head_floats = width * head_dim;
   // Per KV head: its keys as panels [key_panels, Dh, 16] (panel p, row d: dimension d of keys 16p .. 16p+15)
   // and its values as panels [value_panels, width, 16] (panel c, row t: columns 16c .. 16c+15 of value t),
-  // both zero past the context.
-  std::vector<float> key_tiles(num_kv_heads * head_floats), value_tiles(num_kv_heads * head_floats);
+  // both zero past the context. Left unset at allocation: every element is written once, below.
+  const std::unique_ptr<float[]> key_tiles(new float[num_kv_heads * head_floats]);
+  const std::unique_ptr<float[]> value_tiles(new float[num_kv_heads * head_floats]);
   at::parallel_for(0, num_kv_heads * key_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_panels, p = item % key_panels;
-      float* kp = key_tiles.data() + h * head_floats + p * head_dim * kPanelColumns;
+      float* kp = key_tiles.get() + h * head_floats + p * head_dim * kPanelColumns;
       for (int64_t j = 0; j < kPanelColumns; ++j) {
         const int64_t t = p * kPanelColumns + j;
-        const int64_t row = t < context ? where.row(t) : 0;  // past the context: zeros, read nothing
-        const T* key = keys + h * where.k_head_stride + row * where.k_token_stride;
-        const T* value = values + h * where.v_head_stride + row * where.v_token_stride;
-        for (int64_t d = 0; d < head_dim; ++d) kp[d * kPanelColumns + j] = t < context ? static_cast<float>(key[d]) : 0.f;
+        const bool padding = t >= context;  // past the context: zeros, and nothing read
+        const T* key = keys + h * where.k_head_stride + (padding ? 0 : where.row(t)) * where.k_token_stride;
+        const T* value = values + h * where.v_head_stride + (padding ? 0 : where.row(t)) * where.v_token_stride;
+        for (int64_t d = 0; d < head_dim; ++d) kp[d * kPanelColumns + j] = padding ? 0.f : static_cast<float>(key[d]);
         for (int64_t c = 0; c < value_panels; ++c) {
-          float* vp = value_tiles.data() + h * head_floats + (c * width + t) * kPanelColumns;
+          float* vp = value_tiles.get() + h * head_floats + (c * width + t) * kPanelColumns;
           for (int64_t d = 0; d < kPanelColumns; ++d)
-            vp[d] = t < context ? static_cast<float>(value[c * kPanelColumns + d]) : 0.f;
+            vp[d] = padding ? 0.f : static_cast<float>(value[c * kPanelColumns + d]);
         }
       }
     }
@@ -139,13 +141,13 @@ void attend_chunk(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
             lengths[t * group + g] = num_cached + first + t + 1;
           }
-        const float* kh = key_tiles.data() + h * head_floats;
+        const float* kh = key_tiles.get() + h * head_floats;
         for (int64_t p = 0; p < span / kPanelColumns; ++p)
           llmq_panels::panel_times_rows(query.data(), rows, head_dim, kh + p * head_dim * kPanelColumns,
                                         static_cast<const float*>(nullptr), scores.data() + p * kPanelColumns, span,
                                         nullptr, 0);
         softmax_rows(scores.data(), rows, span, lengths.data());
-        const float* vh = value_tiles.data() + h * head_floats;
+        const float* vh = value_tiles.get() + h * head_floats;
         for (int64_t c = 0; c < value_panels; ++c)
           llmq_panels::panel_times_rows(scores.data(), rows, span, vh + c * width * kPanelColumns,
                                         static_cast<const float*>(nullptr), result.data() + c * kPanelColumns,
