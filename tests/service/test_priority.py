@@ -31,15 +31,18 @@ def test_a_completion_sent_after_a_big_batch_is_served_before_it(api):
                and sum(w["running"] for w in api.get("/v1/workers").json()["data"]) >= 1, interval=0.05)
     time.sleep(0.2)
     before = completed(api, batch_id)
-    assert LINES - before - SLOTS >= 2 * SLOTS, ("the batch ran too fast for this test to tell anything: "
+    assert LINES - before >= 3 * SLOTS, ("the batch ran too fast for this test to tell anything: "
                                                   f"{before} lines completed "
                                                   f"{time.monotonic() - submitted:.1f} s after submission")
     response = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "The little dog", "max_tokens": 8,
                                                   "temperature": 0})
     assert response.status_code == 200, response.text
     ran_first = completed(api, batch_id) - before
-    # First come first served would run every line queued before it (at least 32) first; with priorities
-    # it waits for one thread, at most the wave of lines already running.
-    assert ran_first <= SLOTS, f"{ran_first} batch lines ran before the completion sent after them"
+    # First come first served would run every line queued before it first: at least 3 × SLOTS, by the check
+    # above. With priorities it waits for one thread, at most the wave of lines already running. The bound
+    # is two waves because both counts come from the database, which counts a line once its result is
+    # written: lines that had finished but were not yet written when `before` was read count here (CI
+    # once saw 19).
+    assert ran_first <= 2 * SLOTS, f"{ran_first} batch lines ran before the completion sent after them"
     api.post(f"/v1/batches/{batch_id}/cancel")
     wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["status"] == "cancelled", timeout=120)
