@@ -201,6 +201,41 @@ def test_the_cpu_kernel_refuses_a_query_table_row_it_does_not_have():
                                        torch.tensor([0, 1], dtype=torch.int32))
 
 
+@on_a_cpu
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, dtype):
+    # On AVX2 it scores a block's keys for several query heads of a KV head at once (8, 4, 2 or 1 heads, and
+    # 8 / heads keys, a pass): every group size, against a plain softmax over each sequence's context.
+    kernels = native_kernels()
+    assert kernels is not None, native_kernels_failure()
+    kv_heads, block_size, num_blocks, lengths = 2, 4, 64, [1, 3, 4, 9, 31, 70]
+    generator = torch.Generator().manual_seed(group)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, taken = [], 0
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(order[taken: taken + count])
+        taken += count
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=generator).to(dtype)
+    out = torch.empty(len(lengths), kv_heads * group * head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lengths, dtype=torch.int32),
+                                   block_size, scale, out)
+    for n, (length, table) in enumerate(zip(lengths, tables)):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        keys, values = (cache[:, slots].float().repeat_interleave(group, dim=0) for cache in (k_cache, v_cache))
+        weights = torch.softmax(q[n].float().unsqueeze(1) @ keys.transpose(1, 2) * scale, dim=-1)
+        expected = (weights @ values).reshape(-1)
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out[n].float(), expected, **tolerance)
+
+
 @pytest.fixture
 def kernel(request):
     """A paged kernel's backend name; the C++ one must have been built here (a compiler and ninja)."""

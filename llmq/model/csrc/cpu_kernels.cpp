@@ -346,6 +346,35 @@ inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// The scores of a block's `count` keys for `group` query heads, kHeads heads and 8 / kHeads keys at a time:
+// each key vector is loaded once for the kHeads heads it serves, into eight running sums, one a (head, key)
+// pair, whose lanes store_lane_sums then sums together. A pair's sum runs over head_dim in the same order
+// whatever else is in the pass, so a key's score does not depend on the keys or heads beside it.
+template <int kChunks, int kHeads, typename scalar_t>
+void score_block(const float* query, const scalar_t* keys, int64_t count, int64_t group, int64_t head_dim,
+                 float* scores, int64_t length) {
+  constexpr int kKeys = 8 / kHeads;
+  for (int64_t first_head = 0; first_head < group; first_head += kHeads)
+    for (int64_t t = 0; t < count; t += kKeys) {
+      const int64_t width = std::min<int64_t>(kKeys, count - t);
+      fVec sums[8];
+      for (int i = 0; i < 8; ++i) sums[i] = fVec(0.f);
+      for (int c = 0; c < kChunks; ++c)
+        for (int j = 0; j < kKeys; ++j) {
+          const fVec key = j < width ? load_f(keys + (t + j) * head_dim + c * kLanes) : fVec(0.f);
+          for (int h = 0; h < kHeads; ++h)
+            sums[h * kKeys + j] =
+                at::vec::fmadd(fVec::loadu(query + (first_head + h) * head_dim + c * kLanes), key, sums[h * kKeys + j]);
+        }
+      float lane_sums[8];
+      store_lane_sums(sums, 8, lane_sums);
+      for (int h = 0; h < kHeads; ++h)
+        for (int64_t j = 0; j < width; ++j) scores[(first_head + h) * length + t + j] = lane_sums[h * kKeys + j];
+    }
+}
+#endif
+
 // Decode attention for one (sequence, KV head): its G query heads ([G, Dh], float32, scaled) against the
 // `length` keys and values that `table` names, into out [G, Dh]. `scores` holds G * length floats.
 // kChunks > 0: head_dim is kChunks vectors, known when compiled, so that a key's dot product and a
@@ -356,12 +385,23 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
             int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out,
             llmq_prefetch::ContextFetch* ahead) {
   const int64_t ahead_per_key = ahead != nullptr ? (ahead->lines() + length - 1) / length : 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  auto score_here = group % 8 == 0 ? score_block<kChunks, 8, scalar_t> : group % 4 == 0 ? score_block<kChunks, 4, scalar_t>
+                  : group % 2 == 0 ? score_block<kChunks, 2, scalar_t> : score_block<kChunks, 1, scalar_t>;
+#endif
   // Scores, a block at a time (one block-table lookup per block, no division per token), and within a
   // block kKeysTogether keys at a time, whose sums of lanes are taken together.
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
     const scalar_t* keys = k_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
     if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kChunks > 0) {
+      score_here(query, keys, count, group, head_dim, scores + first, length);
+      if (ahead != nullptr) ahead->next(ahead_per_key * count);
+      continue;
+    }
+#endif
     for (int64_t t = 0; t < count; t += kKeysTogether) {
       const int64_t width = std::min(kKeysTogether, count - t);
       for (int64_t g = 0; g < group; ++g) {
