@@ -350,14 +350,16 @@ inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
 // The scores of a block's `count` keys for `group` query heads, kHeads heads and 8 / kHeads keys at a time:
 // each key vector is loaded once for the kHeads heads it serves, into eight running sums, one a (head, key)
 // pair, whose lanes store_lane_sums then sums together. A pair's sum runs over head_dim in the same order
-// whatever else is in the pass, so a key's score does not depend on the keys or heads beside it.
+// whatever else is in the pass, so a key's score does not depend on the keys or heads beside it. With each
+// pass of keys it asks for their share of `ahead`'s lines, as attend does.
 template <int kChunks, int kHeads, typename scalar_t>
 void score_block(const float* query, const scalar_t* keys, int64_t count, int64_t group, int64_t head_dim,
-                 float* scores, int64_t length) {
+                 float* scores, int64_t length, llmq_prefetch::ContextFetch* ahead, int64_t ahead_per_key) {
   constexpr int kKeys = 8 / kHeads;
   for (int64_t first_head = 0; first_head < group; first_head += kHeads)
     for (int64_t t = 0; t < count; t += kKeys) {
       const int64_t width = std::min<int64_t>(kKeys, count - t);
+      if (ahead != nullptr && first_head == 0) ahead->next(ahead_per_key * width);
       fVec sums[8];
       for (int i = 0; i < 8; ++i) sums[i] = fVec(0.f);
       for (int c = 0; c < kChunks; ++c)
@@ -371,6 +373,45 @@ void score_block(const float* query, const scalar_t* keys, int64_t count, int64_
       store_lane_sums(sums, 8, lane_sums);
       for (int h = 0; h < kHeads; ++h)
         for (int64_t j = 0; j < width; ++j) scores[(first_head + h) * length + t + j] = lane_sums[h * kKeys + j];
+    }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The weighted sums of values for `group` query heads (each row of `weights` a head's, over `length` tokens),
+// kHeads heads and 8 / kHeads of a head's kChunks vectors at a time: each value vector is loaded once for
+// the kHeads heads it serves, into eight running sums, one a (head, vector). Each head's sum is scaled by
+// its inv_total into out [group, head_dim]. The first pass asks for each next block as attend's did.
+template <int kChunks, int kHeads, typename scalar_t>
+void weigh_values(const float* weights, const scalar_t* v_head, const int32_t* table, int64_t length,
+                  int64_t block_size, int64_t group, int64_t head_dim, const float* inv_total, float* out) {
+  constexpr int kVectors = 8 / kHeads;
+  static_assert(kChunks % kVectors == 0, "a pass takes whole vectors of a head");
+  for (int64_t first_head = 0; first_head < group; first_head += kHeads)
+    for (int first_vector = 0; first_vector < kChunks; first_vector += kVectors) {
+      fVec sums[kHeads][kVectors];
+      for (int h = 0; h < kHeads; ++h)
+        for (int c = 0; c < kVectors; ++c) sums[h][c] = fVec(0.f);
+      for (int64_t first = 0; first < length; first += block_size) {
+        const int64_t count = std::min(block_size, length - first);
+        const scalar_t* values = v_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim +
+                                 first_vector * kLanes;
+        if (first_head == 0 && first_vector == 0 && first + block_size < length)
+          prefetch_block(v_head, table[first / block_size + 1], block_size * head_dim);
+        for (int64_t t = 0; t < count; ++t) {
+          fVec weight[kHeads];
+          for (int h = 0; h < kHeads; ++h) weight[h] = fVec(weights[(first_head + h) * length + first + t]);
+          for (int c = 0; c < kVectors; ++c) {
+            const fVec value = load_f(values + t * head_dim + c * kLanes);
+            for (int h = 0; h < kHeads; ++h) sums[h][c] = at::vec::fmadd(weight[h], value, sums[h][c]);
+          }
+        }
+      }
+      for (int h = 0; h < kHeads; ++h) {
+        const fVec inv(inv_total[first_head + h]);
+        for (int c = 0; c < kVectors; ++c)
+          (sums[h][c] * inv).store(out + (first_head + h) * head_dim + (first_vector + c) * kLanes);
+      }
     }
 }
 #endif
@@ -397,8 +438,7 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
     if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (kChunks > 0) {
-      score_here(query, keys, count, group, head_dim, scores + first, length);
-      if (ahead != nullptr) ahead->next(ahead_per_key * count);
+      score_here(query, keys, count, group, head_dim, scores + first, length, ahead, ahead_per_key);
       continue;
     }
 #endif
@@ -423,9 +463,19 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   // Softmax's exponentials; each head's 1 / sum scales its weighted sum of values at the end.
   float inv_total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / llmq_softmax::exponentiate(scores + g * length, length);
-  // The weighted sum of values, a head at a time. Below eight vectors a head, two running sums (even and
-  // odd tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second
-  // would not fit in AVX2's sixteen registers.
+  // The weighted sum of values. On AVX2, with heads of four or eight vectors and an even group, two heads
+  // at a time, each value vector loaded once for both (weigh_values; four heads at a time measured level
+  // in float32). Otherwise a head at a time: below eight vectors a head, two running sums (even and odd
+  // tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second would
+  // not fit in AVX2's sixteen registers.
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kChunks >= 4) {
+    if (group % 2 == 0) {
+      weigh_values<kChunks, 2, scalar_t>(scores, v_head, table, length, block_size, group, head_dim, inv_total, out);
+      return;
+    }
+  }
+#endif
   constexpr int kSums = kChunks >= 8 ? 1 : 2;
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * length;
