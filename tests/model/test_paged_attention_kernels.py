@@ -28,16 +28,23 @@ on_a_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is for a C
 KERNELS = [pytest.param("triton", marks=needs_triton), pytest.param("cpu", marks=on_a_cpu)]
 
 
-def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[int, int], ...] = (),
-          num_blocks: int = NUM_BLOCKS) -> StepInput:
-    """Decodes of the given context lengths over random distinct blocks, then prompt chunks, each of
-    (cached, new) tokens: `new` tokens after `cached` ones already in the cache."""
-    order = torch.randperm(num_blocks, generator=generator).tolist()
+def _block_tables(lengths: list[int], order: list[int]) -> list[list[int]]:
+    """Each context length's blocks, taken in turn from `order`."""
     tables, taken = [], 0
     for length in lengths:
         count = -(-length // BLOCK_SIZE)
         tables.append(order[taken: taken + count])
         taken += count
+    return tables
+
+
+def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[int, int], ...] = (),
+          num_blocks: int = NUM_BLOCKS) -> StepInput:
+    """Decodes of the given context lengths over random distinct blocks, then prompt chunks, each of
+    (cached, new) tokens: `new` tokens after `cached` ones already in the cache."""
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = _block_tables(lengths, order)
+    taken = sum(len(t) for t in tables)
     slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, lengths)]
     positions = [n - 1 for n in lengths]
     spans = []
@@ -210,14 +217,9 @@ def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, d
     # 8 / heads keys, a pass): every group size, against a plain softmax over each sequence's context.
     kernels = native_kernels()
     assert kernels is not None, native_kernels_failure()
-    kv_heads, block_size, num_blocks, lengths = 2, 4, 64, [1, 3, 4, 9, 31, 70]
+    kv_heads, block_size, num_blocks, lengths = 2, BLOCK_SIZE, 64, [1, 3, 4, 9, 31, 70]
     generator = torch.Generator().manual_seed(group)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    tables, taken = [], 0
-    for length in lengths:
-        count = -(-length // block_size)
-        tables.append(order[taken: taken + count])
-        taken += count
+    tables = _block_tables(lengths, torch.randperm(num_blocks, generator=generator).tolist())
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     k_cache, v_cache = (torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=generator).to(dtype)
