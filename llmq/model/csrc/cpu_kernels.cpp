@@ -375,9 +375,7 @@ void score_block(const float* query, const scalar_t* keys, int64_t count, int64_
         for (int64_t j = 0; j < width; ++j) scores[(first_head + h) * length + t + j] = lane_sums[h * kKeys + j];
     }
 }
-#endif
 
-#if defined(CPU_CAPABILITY_AVX2)
 // The weighted sums of values for `group` query heads (each row of `weights` a head's, over `length` tokens),
 // kHeads heads and 8 / kHeads of a head's kChunks vectors at a time: each value vector is loaded once for
 // the kHeads heads it serves, into eight running sums, one a (head, vector). Each head's sum is scaled by
@@ -430,7 +428,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   auto score_here = group % 8 == 0 ? score_block<kChunks, 8, scalar_t> : group % 4 == 0 ? score_block<kChunks, 4, scalar_t>
                   : group % 2 == 0 ? score_block<kChunks, 2, scalar_t> : score_block<kChunks, 1, scalar_t>;
 #endif
-  // Scores, a block at a time (one block-table lookup per block, no division per token), and within a
+  // Scores, a block at a time (one block-table lookup per block, no division per token). On AVX2, with
+  // heads of whole vectors, score_block takes the block for several heads at once; otherwise within a
   // block kKeysTogether keys at a time, whose sums of lanes are taken together.
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
