@@ -214,7 +214,8 @@ def test_the_cpu_kernel_refuses_a_query_table_row_it_does_not_have():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, dtype):
     # On AVX2 it scores a block's keys for several query heads of a KV head at once (8, 4, 2 or 1 heads, and
-    # 8 / heads keys, a pass): every group size, against a plain softmax over each sequence's context.
+    # 8 / heads keys, a pass) and sums values two heads at a time where the group is even: every group
+    # size, against a plain softmax over each sequence's context.
     kernels = native_kernels()
     assert kernels is not None, native_kernels_failure()
     kv_heads, block_size, num_blocks, lengths = 2, BLOCK_SIZE, 64, [1, 3, 4, 9, 31, 70]

@@ -32,8 +32,8 @@ def test_a_completion_sent_after_a_big_batch_is_served_before_it(api):
     time.sleep(0.2)
     before = completed(api, batch_id)
     assert LINES - before >= 3 * SLOTS, ("the batch ran too fast for this test to tell anything: "
-                                                  f"{before} lines completed "
-                                                  f"{time.monotonic() - submitted:.1f} s after submission")
+                                         f"{before} lines completed "
+                                         f"{time.monotonic() - submitted:.1f} s after submission")
     response = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "The little dog", "max_tokens": 8,
                                                   "temperature": 0})
     assert response.status_code == 200, response.text
