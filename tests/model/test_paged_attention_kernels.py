@@ -61,11 +61,11 @@ def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[
 
 
 def _operands(rows: int, head_dim: int, dtype: torch.dtype, generator: torch.Generator,
-              num_blocks: int = NUM_BLOCKS, device: str = "cpu"):
+              num_blocks: int = NUM_BLOCKS, device: str = "cpu", num_heads: int = NUM_HEADS):
     """Random caches [KVH, slots, Dh], and a step's q [rows, H, Dh], k and v [rows, KVH, Dh]."""
     k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * BLOCK_SIZE, head_dim, generator=generator)
                         .to(device, dtype) for _ in range(2))
-    q = torch.randn(rows, NUM_HEADS, head_dim, generator=generator).to(device, dtype)
+    q = torch.randn(rows, num_heads, head_dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(device, dtype) for _ in range(2))
     return k_cache, v_cache, q, k, v
 
@@ -218,20 +218,18 @@ def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, d
     # size, against a plain softmax over each sequence's context.
     kernels = native_kernels()
     assert kernels is not None, native_kernels_failure()
-    kv_heads, block_size, num_blocks, lengths = 2, BLOCK_SIZE, 64, [1, 3, 4, 9, 31, 70]
+    lengths = [1, 3, 4, 9, 31, 70]
     generator = torch.Generator().manual_seed(group)
-    tables = _block_tables(lengths, torch.randperm(num_blocks, generator=generator).tolist())
+    tables = _block_tables(lengths, torch.randperm(NUM_BLOCKS, generator=generator).tolist())
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k_cache, v_cache = (torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=generator).to(dtype)
-                        for _ in range(2))
-    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=generator).to(dtype)
-    out = torch.empty(len(lengths), kv_heads * group * head_dim, dtype=dtype)
+    k_cache, v_cache, q, _, _ = _operands(len(lengths), head_dim, dtype, generator, num_heads=NUM_KV_HEADS * group)
+    out = torch.empty(len(lengths), NUM_KV_HEADS * group * head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lengths, dtype=torch.int32),
-                                   block_size, scale, out)
+                                   BLOCK_SIZE, scale, out)
     for n, (length, table) in enumerate(zip(lengths, tables)):
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)]
         keys, values = (cache[:, slots].float().repeat_interleave(group, dim=0) for cache in (k_cache, v_cache))
         weights = torch.softmax(q[n].float().unsqueeze(1) @ keys.transpose(1, 2) * scale, dim=-1)
         expected = (weights @ values).reshape(-1)

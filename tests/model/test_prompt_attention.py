@@ -2,8 +2,9 @@
 (attention.py's _prefill_attention): a prompt chunk's queries over its whole context, fresh or after
 cached tokens, with its tokens in tiles (one token, a tile's edge, several tiles), grouped KV heads, the
 head sizes it takes, every dtype the engine computes in, and keys and values that are views of other
-tensors (the SDPA path's layout; the engine itself calls it through the paged cache). The kernel is built where the panel products are (AVX2 CPUs without
-AVX-512); elsewhere these tests skip and the "cpu" backend's long chunks stay SDPA's."""
+tensors (the SDPA path's layout; the engine itself calls it through the paged cache). The kernel is
+built where the panel products are (AVX2 CPUs without AVX-512); elsewhere these tests skip and the "cpu"
+backend's long chunks stay SDPA's."""
 from __future__ import annotations
 
 import pytest
