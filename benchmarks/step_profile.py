@@ -55,7 +55,8 @@ MODELS = {"bench-42m": (bench_model_dir, 64, 32000), "llama-1b": (model_1b_dir, 
 GROUPS = [
     ("fused decoder layers (one C++ call a layer: its products, attention, norms)", ("llmq::decoder_layer",)),
     ("matrix products", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int",
-                         "aten::_convert_weight", "llmq::panel_linear", "llmq::tiled_linear", "llmq::silu_and_mul_of")),
+                         "aten::_convert_weight", "llmq::panel_linear", "llmq::tiled_linear", "llmq::silu_and_mul_of",
+                         "llmq::tiled_argmax")),
     ("attention: gathers", ("aten::index_select",)),
     ("attention: arithmetic", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::masked_fill",
                                "aten::scaled_dot_product", "aten::_scaled_dot_product", "llmq::paged_decode_attention")),
@@ -114,13 +115,15 @@ def _label(owner, name: str) -> None:
 
 def label_kernel_calls(engine: LLMEngine) -> None:
     """Put each call into the fused C++ kernels (the engine's kernels object, the panel and tiled products,
-    greedy argmax) in a profiler range of its own: they are not torch operators, so the profiler would
-    otherwise see only the torch operators they call, and view 2 would leave out most of a step."""
+    greedy argmax, the LM head's argmax) in a profiler range of its own: they are not torch operators, so
+    the profiler would otherwise see only the torch operators they call, and view 2 would leave out most
+    of a step."""
     kernels = engine.model_runner.kernels
     for name in KERNEL_CALLS:
         if hasattr(kernels, name):
             _label(kernels, name)
-    for module, name in ((llama, "panel_linear"), (llama, "tiled_linear"), (sampler, "fast_argmax")):
+    for module, name in ((llama, "panel_linear"), (llama, "tiled_linear"), (llama, "tiled_argmax"),
+                         (sampler, "fast_argmax")):
         _label(module, name)
 
 
@@ -144,6 +147,7 @@ def instrument(engine: LLMEngine, sections: Sections) -> None:
     sections.wrap(StepInput, "to_tensors", "step inputs: tensors")
     sections.wrap(model, "forward", "forward pass")
     sections.wrap(model, "compute_logits", "logits (final norm, LM head)")
+    sections.wrap(model, "greedy_tokens", "logits (final norm, LM head)")  # its argmax, for a greedy step
     sections.wrap(SampledStep, "launch", "sampling")
     sections.wrap(SampledStep, "result", "sampling")
 

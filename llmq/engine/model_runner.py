@@ -161,6 +161,9 @@ class ModelRunner:
                  self.attention_backend, torch.get_num_threads())
         self.decode_graphs = (self._capture_decode_graphs()
                               if self.device.type == "cuda" and config.cuda_graphs and world == 1 else None)
+        # A greedy step's tokens straight from the LM head (cpu_kernels.tiled_argmax), its logits never
+        # stored: one rank, whose steps are one micro-batch, and no CUDA graphs, which return logits.
+        self.greedy_head = world == 1 and self.decode_graphs is None and self.model.has_greedy_head
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
         """Static buffers (and, with `capture`, CUDA graphs) for decode-only steps of up to max_num_seqs
@@ -285,18 +288,31 @@ class ModelRunner:
             steps = micro_batches(batch, self.block_size, self.num_micro_batches)
         else:
             steps = [StepInput.from_batch(batch, self.block_size, pending=self._previous_index)]
+        greedy = self._takes_greedy_head(batch)
         try:
             if self.group:
                 self.group.broadcast(steps)
-            logits = self.execute(steps, self._previous_tokens)
+            out = self.execute(steps, self._previous_tokens, greedy_tokens=greedy)
         except Exception as err:
             if self.group:
                 self.group.abandon(f"a step failed on rank 0 ({type(err).__name__}: {err})")
             raise
-        sampled = SampledStep.launch(logits, batch.samplers) if batch.samplers else None
+        if not batch.samplers:
+            sampled = None
+        elif greedy:  # each sampler's token, the LM head's argmax
+            sampled = SampledStep.of_tokens(out)
+        else:  # the samplers' logits
+            sampled = SampledStep.launch(out, batch.samplers)
         self._previous_tokens = sampled.token_ids if sampled else None
         self._previous_index = {seq.seq_id: j for j, seq in enumerate(batch.samplers)}
         return sampled
+
+    def _takes_greedy_head(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch's tokens come from the LM head's argmax without its logits
+        (LlamaForCausalLM.greedy_tokens): on one rank, with no CUDA graphs, where every sampler is greedy
+        and asks for no logprobs, so that nothing else would read the logits."""
+        return (self.greedy_head and bool(batch.samplers)
+                and all(s.params.greedy and s.params.logprobs is None for s in batch.samplers))
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -310,10 +326,12 @@ class ModelRunner:
             else:
                 self.execute(message)
 
-    def execute(self, steps: list[StepInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, steps: list[StepInput], previous_tokens: torch.Tensor | None = None,
+                greedy_tokens: bool = False) -> torch.Tensor | None:
         """This rank's part of one step (its micro-batches in order). Returns, on rank 0, the logits
         (the model's dtype) of every sampler of the batch [S, vocab] in the batch's order; None elsewhere.
-        `previous_tokens`: the last step's sampled tokens, where the steps' deferred input ids are."""
+        `previous_tokens`: the last step's sampled tokens, where the steps' deferred input ids are.
+        `greedy_tokens` (one rank, where greedy_head): each sampler's argmax [S] instead of its logits."""
         started = time.perf_counter()
         if self.decode_graphs is not None and len(steps) == 1 and self.decode_graphs.accepts(steps[0]):
             logits = self.decode_graphs.run(steps[0], previous_tokens)
@@ -339,8 +357,8 @@ class ModelRunner:
                 self.timing.busy_seconds += time.perf_counter() - computing
                 sends.append(dist.isend(hidden, dst=self.group.rank_of(stage.stage + 1)))
                 continue
-            step_logits = (self.model.compute_logits(hidden[to_device(step.sample_rows, self.device)])
-                           if step.sample_rows else None)
+            head = self.model.greedy_tokens if greedy_tokens else self.model.compute_logits
+            step_logits = head(hidden[to_device(step.sample_rows, self.device)]) if step.sample_rows else None
             self.timing.busy_seconds += time.perf_counter() - computing
             if step_logits is not None and self.rank == 0:
                 logits.append(step_logits)

@@ -244,6 +244,12 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     return _loaded._ops.tiled_linear(x, tiles, bias)
 
 
+def tiled_argmax(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equals) of x @ W.T in bfloat16, for W laid out in tiles (not
+    paired): what argmax_rows of tiled_linear(x, tiles, None) gives, without storing the product."""
+    return _loaded._ops.tiled_argmax(x, tiles)
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) summed in float32 (float32, or bfloat16 rounded once), for W laid out in panels by
     cpu_prepack, which does so only where native_kernels().panel_products: on an AVX2 CPU's fused

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmq.model.attention import AttentionMetadata, paged_attention
-from llmq.model.cpu_kernels import TORCH_KERNELS, TorchKernels, is_paneled, is_tiled, panel_linear, tiled_linear
+from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paired, is_paneled, is_tiled, panel_linear,
+                                    tiled_argmax, tiled_linear)
 from llmq.model.model_config import ModelConfig
 from llmq.model.rope import rope_cache
 from llmq.model.row_buckets import padded_rows
@@ -193,3 +194,18 @@ class LlamaForCausalLM(nn.Module):
         if self.pad_rows:
             hidden = _pad_rows(hidden, padded_rows(rows))
         return self.lm_head(self.model.norm(hidden))[:rows]
+
+    @property
+    def has_greedy_head(self) -> bool:
+        """Whether greedy_tokens can take the LM head's argmax without its logits: where the head is laid
+        out in tiles, with no bias."""
+        weight = self.lm_head.weight
+        return is_tiled(weight) and not is_paired(weight) and self.lm_head.bias is None
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> [S]: each row's argmax over the logits compute_logits would give (the
+        first of equals), which are never stored, where has_greedy_head (cpu_kernels.tiled_argmax)."""
+        rows = hidden.shape[0]
+        if self.pad_rows:
+            hidden = _pad_rows(hidden, padded_rows(rows))
+        return tiled_argmax(self.model.norm(hidden), self.lm_head.weight)[:rows]

@@ -62,6 +62,12 @@ class SampledStep:
             host = packed
         return cls(token_ids, host, [s.params.logprobs for s in seqs], k, copied)
 
+    @classmethod
+    def of_tokens(cls, token_ids: torch.Tensor) -> "SampledStep":
+        """A step whose tokens are already chosen, on the host, with no logprobs asked for (the greedy
+        argmax the model took in its LM head: ModelRunner.launch)."""
+        return cls(token_ids, token_ids.to(torch.float64)[:, None], [None] * len(token_ids), 0, None)
+
     def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """Waits for the copy; the token ids and logprobs, one per sampled sequence."""
         if self._copied is not None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
 from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
-from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_paneled, is_tiled, native_kernels
+from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_paneled, is_tiled, native_kernels, tiled_argmax
 from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, panel_weight, panels_fit, prepack_linears,
                                     prepack_supported, tile_gate_up, tile_weight, tiles_fit, unpanel_weight,
                                     untile_weight)
@@ -199,6 +199,56 @@ def test_tiled_products_take_any_leading_shape_and_no_rows(tiled_path):
     assert linear(x[0, :0], tile_weight(weight), None).shape == (0, 32)
     with pytest.raises(RuntimeError, match="features"):
         linear(torch.randn(3, 32).to(torch.bfloat16), tile_weight(weight), None)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+def test_the_argmax_of_a_tiled_product_is_that_of_the_logits_it_would_store(tiled_path, rows):
+    """tiled_argmax: each row's argmax over what tiled_linear stores, the first of equal columns, without
+    storing it. Every even row is led by column 40, which columns 72 (the same lane of a later tile), 150
+    (another lane) and 200 (a later tile's same lane, among the second thread's columns) tie with
+    exactly; the odd rows are random."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(208, 96, generator=generator)
+    lead = torch.randn(96, generator=generator)
+    weight[40] = weight[72] = weight[150] = weight[200] = 2 * lead
+    x = torch.randn(rows, 96, generator=generator)
+    x[::2] += 3 * lead
+    tiles = tile_weight(weight.to(torch.bfloat16))
+    x = x.to(torch.bfloat16)
+    stored = linear(x, tiles, None)
+    expected = stored.float().argmax(dim=-1)  # torch's: the first of equals
+    assert (expected[::2] == 40).all()
+    assert torch.equal(tiled_argmax(x, tiles), expected)
+    assert tiled_argmax(x[:0], tiles).shape == (0,)
+
+
+@needs_tiles
+def test_a_greedy_step_takes_its_tokens_from_the_lm_heads_argmax(stories_dir, monkeypatch):
+    """Where every sampler of a step is greedy and asks for no logprobs, its tokens come from the LM
+    head's argmax (LlamaForCausalLM.greedy_tokens), the logits never stored: the same tokens as the
+    logits' argmax, with async scheduling too; a step with a logprobs request takes the logits."""
+    prompts = ["Once upon a time", "The dog ran to the", "Lily had a big"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def generate(llm, params):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    for async_scheduling in (False, True):
+        llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20, async_scheduling=async_scheduling)
+        runner, calls = llm.engine.model_runner, []
+        assert runner.greedy_head and runner.model.has_greedy_head
+        own = runner.model.greedy_tokens
+        monkeypatch.setattr(runner.model, "greedy_tokens", lambda hidden: calls.append(len(hidden)) or own(hidden))
+        fused = generate(llm, params)
+        taken = len(calls)
+        assert taken >= 16 and max(calls) == len(prompts)  # each step's samplers, every step
+        monkeypatch.setattr(runner, "greedy_head", False)
+        assert generate(llm, params) == fused and len(calls) == taken  # the logits' argmax
+        monkeypatch.setattr(runner, "greedy_head", True)
+        with_logprobs = generate(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2))
+        assert len(calls) == taken  # logprobs need the logits
+        assert [tokens for tokens, _ in with_logprobs] == [tokens for tokens, _ in fused]
+        assert all(len(logprobs) == 16 for _, logprobs in with_logprobs)
 
 
 @needs_tiles

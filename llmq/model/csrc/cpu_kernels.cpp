@@ -878,6 +878,17 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, c
 #endif
 }
 
+// Each row's argmax (the first of equals) over x @ W.T in bfloat16, for W [V, K] laid out in tiles
+// (cpu_prepack.tile_weight): argmax_rows(tiled_linear(x, tiles)) without storing the product.
+torch::Tensor tiled_argmax(const torch::Tensor& x, const torch::Tensor& tiles) {
+#ifdef LLMQ_HAS_TILED_LINEAR
+  check_cpu(x, "x");
+  return llmq_tiled::argmax_of_product(x, tiles);
+#else
+  TORCH_CHECK(false, "tiled_argmax: this build has no AVX512-BF16 (the CPU lacks it, or the compiler does not target it)");
+#endif
+}
+
 // silu(x @ gate.T) * (x @ up.T) in bfloat16, for a gate/up weight laid out paired in tiles
 // (cpu_prepack.tile_gate_up): equal to silu_and_mul(tiled_linear(x, tiles)) without storing the product.
 torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& tiles,
@@ -1100,6 +1111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_tables"), py::arg("block_size"));
+  m.def("tiled_argmax", &tiled_argmax, "each row's argmax of x @ W.T in bfloat16, W in tiles, without storing it");
   m.def("tiled_silu_and_mul", &tiled_silu_and_mul,
         "silu(x @ gate.T) * (x @ up.T) in bfloat16, gate and up laid out paired in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());

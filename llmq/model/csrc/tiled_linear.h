@@ -29,6 +29,8 @@
 #include <atomic>
 #include <cstring>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 namespace llmq_tiled {
 
@@ -352,6 +354,64 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
     }
   });
   return out.view(out_shape);
+}
+
+// x [..., K] bfloat16 against W [V, K] in tiles -> int64 [M]: each row's argmax over x @ W.T, each value
+// rounded to bfloat16 as `linear` stores it, the first of equals, NaN never winning (argmax_rows's rule):
+// a greedy step's LM head, whose logits nothing else reads, without writing them out and reading them
+// back. Each thread keeps, for each row, 16 running maxima and their columns (one per lane of a column
+// tile, each replaced only by a larger value, so that a lane keeps its first column of equals); the
+// row's maximum over every thread and lane, and the first column holding it, come last.
+inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& tiles) {
+  TORCH_CHECK(tiles.dim() == 4, "tiled_argmax: tiles must be [V/16, K/32, 16, 32] (not paired)");
+  const at::Tensor a = padded_rows(input, tiles, "tiled_argmax");
+  const TiledWeight w = tiled_weight(tiles);
+  const int64_t m = input.numel() / input.size(-1), threads = at::get_num_threads();
+  at::Tensor out = at::zeros({m}, input.options().dtype(at::kLong));
+  if (m == 0) return out;
+  struct alignas(64) Lanes {
+    float best[16];
+    int32_t column[16];
+  };
+  std::vector<Lanes> lanes(threads * m);
+  for (Lanes& l : lanes) {
+    std::fill(l.best, l.best + 16, -std::numeric_limits<float>::infinity());
+    std::fill(l.column, l.column + 16, 0);
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  multiply(a, w, [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
+    Lanes* mine = lanes.data() + at::get_thread_num() * m;
+    const __m512i columns[2] = {_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(pair * 32))),
+                                _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(pair * 32 + 16)))};
+    for (int rt = 0; rt < row_tiles; ++rt) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const int64_t row = row0 + rt * kTileRows + r;
+        if (row >= m) return;
+        __m512 best = _mm512_load_ps(mine[row].best);
+        __m512i column = _mm512_load_si512(mine[row].column);
+        for (int ct = 0; ct < col_tiles; ++ct) {
+          const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_load_ps(c[rt][ct][r])));
+          const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+          best = _mm512_mask_mov_ps(best, larger, v);
+          column = _mm512_mask_mov_epi32(column, larger, columns[ct]);
+        }
+        _mm512_store_ps(mine[row].best, best);
+        _mm512_store_si512(mine[row].column, column);
+      }
+    }
+  });
+  int64_t* result = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < m; ++row) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < threads; ++t)
+      top = std::max(top, _mm512_reduce_max_ps(_mm512_load_ps(lanes[t * m + row].best)));
+    int32_t first = std::numeric_limits<int32_t>::max();
+    for (int64_t t = 0; t < threads; ++t)
+      for (int i = 0; i < 16; ++i)
+        if (lanes[t * m + row].best[i] == top) first = std::min(first, lanes[t * m + row].column[i]);
+    result[row] = first == std::numeric_limits<int32_t>::max() ? 0 : first;
+  }
+  return out;
 }
 
 // x [..., K] bfloat16 against a paired gate/up weight [I/16, 2, K/32, 16, 32] (+ bias [2 I]) -> [..., I]:
