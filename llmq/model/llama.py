@@ -190,10 +190,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden] of the tokens that sample -> logits [S, vocab] in the model's dtype. The
         sampler widens to float32 only the rows whose sampling or logprobs need it: a greedy row's
         argmax is the same either way, and widening every row costs a pass over all of them."""
-        rows = hidden.shape[0]
-        if self.pad_rows:
-            hidden = _pad_rows(hidden, padded_rows(rows))
-        return self.lm_head(self.model.norm(hidden))[:rows]
+        return self.lm_head(self._head_input(hidden))[:hidden.shape[0]]
 
     @property
     def has_greedy_head(self) -> bool:
@@ -205,7 +202,10 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> [S]: each row's argmax over the logits compute_logits would give (the
         first of equals), which are never stored, where has_greedy_head (cpu_kernels.tiled_argmax)."""
-        rows = hidden.shape[0]
+        return tiled_argmax(self._head_input(hidden), self.lm_head.weight)[:hidden.shape[0]]
+
+    def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head multiplies: the final norm of hidden, its rows padded as the step's were."""
         if self.pad_rows:
-            hidden = _pad_rows(hidden, padded_rows(rows))
-        return tiled_argmax(self.model.norm(hidden), self.lm_head.weight)[:rows]
+            hidden = _pad_rows(hidden, padded_rows(hidden.shape[0]))
+        return self.model.norm(hidden)
