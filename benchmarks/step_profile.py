@@ -4,6 +4,8 @@
     python benchmarks/step_profile.py --dtype bfloat16
     python benchmarks/step_profile.py --model llama-1b --dtype bfloat16
     python benchmarks/step_profile.py --no-prepack                 # F.linear's products instead of oneDNN's packed ones
+    python benchmarks/step_profile.py --dtype bfloat16 --no-greedy-head   # greedy steps' logits stored, then argmax
+    python benchmarks/step_profile.py --dtype bfloat16 --compare-greedy-head 8   # without/with it, alternated
     python benchmarks/step_profile.py --async-scheduling --no-profiler   # each step launched before the last is read
     python benchmarks/step_profile.py --model stories260k --requests 256 --dtype float32 --no-profiler
         # the engine's host work at 256 sequences: a 260 K model, whose forward pass costs little (on a GPU
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -37,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bigger_models import model_1b_dir  # noqa: E402
+from benchmarks.bracketed import bracketed_ratios, median_interval  # noqa: E402
 from benchmarks.engine_throughput import bench_model_dir, fresh_prompts, workload  # noqa: E402
 from benchmarks.vs_vllm import run_llmq_once  # noqa: E402
 from llmq.engine.config import EngineConfig  # noqa: E402
@@ -134,6 +138,30 @@ def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
     return seconds, engine.model_runner.timing.steps - steps_before
 
 
+def compare_greedy_head(engine: LLMEngine, requests, vocab: int, rounds: int) -> None:
+    """The workload with greedy steps' logits stored and read back by argmax_rows, and with their tokens
+    from the LM head's tiled_argmax, alternated (without, with, without, ...) so that each run with it
+    lies between two without it (benchmarks/bracketed.py: the machine's drift between them cancels)."""
+    runner = engine.model_runner
+    if not runner.greedy_head:
+        raise SystemExit("no greedy head here: it takes an LM head in tiles (bfloat16 on a CPU with AVX512-BF16) "
+                         "on one rank")
+    useful = sum(o for _, o in requests)
+    without, with_head = [], []
+    for k in range(2 * rounds + 1):
+        runner.greedy_head = k % 2 == 1
+        seconds, _ = run_workload(engine, fresh_prompts(requests, 20_000 + k, vocab), f"greedy head {k}")
+        (with_head if runner.greedy_head else without).append(seconds)
+    runner.greedy_head = True
+    ratios = bracketed_ratios(without, with_head)
+    print("without the greedy head, useful tok/s: " + ", ".join(f"{useful / s:.0f}" for s in without))
+    print("with it:                                " + ", ".join(f"{useful / s:.0f}" for s in with_head))
+    interval = median_interval(ratios)
+    print("with / without, each against the runs on either side: " + ", ".join(f"{r:.3f}" for r in ratios)
+          + f"; median {statistics.median(ratios):.3f}"
+          + (f" (90 % interval {interval[0]:.3f}-{interval[2]:.3f})" if interval else ""))
+
+
 def instrument(engine: LLMEngine, sections: Sections) -> None:
     """Time the parts of a step: wrappers on this engine's objects (and on the classes StepInput and
     SampledStep), which stay in place for the rest of the process."""
@@ -160,6 +188,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-prepack", action="store_true", help="leave the weights for F.linear (MKL)")
     parser.add_argument("--no-profiler", action="store_true", help="view 1 only")
+    parser.add_argument("--no-greedy-head", action="store_true",
+                        help="greedy steps store their logits and take argmax_rows (not the LM head's tiled_argmax)")
+    parser.add_argument("--compare-greedy-head", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the profile: the workload without the LM head's argmax (ROUNDS + 1 runs) "
+                             "and with it (ROUNDS runs), alternated in this engine; prints the bracketed ratios")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch each step before reading the last one's tokens (the CUDA default)")
     args = parser.parse_args()
@@ -171,11 +204,16 @@ def main() -> None:
                                     num_threads=args.threads, prepack_weights=not args.no_prepack,
                                     max_num_seqs=max(128, len(requests)), async_scheduling=args.async_scheduling))
     runner = engine.model_runner
+    runner.greedy_head = runner.greedy_head and not args.no_greedy_head
     print(f"{args.model}, {runner.dtype_choice.name} ({runner.dtype_choice.reason}), "
           f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
+          f"greedy steps' tokens {'from the LM head (tiled_argmax)' if runner.greedy_head else 'from the logits'}, "
           f"{'async' if engine.async_scheduling else 'plain'} scheduling, "
           f"{len(requests)} requests, {useful} useful tokens", flush=True)
     run_workload(engine, fresh_prompts(requests[:8], 10_000, vocab), "warm")
+    if args.compare_greedy_head:
+        compare_greedy_head(engine, requests, vocab, args.compare_greedy_head)
+        return
 
     sections = Sections()
     instrument(engine, sections)
