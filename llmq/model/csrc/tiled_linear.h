@@ -405,11 +405,11 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& t
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < threads; ++t)
       top = std::max(top, _mm512_reduce_max_ps(_mm512_load_ps(lanes[t * m + row].best)));
-    int32_t first = std::numeric_limits<int32_t>::max();
+    int32_t first = std::numeric_limits<int32_t>::max();  // some lane holds `top` (-inf where all are)
     for (int64_t t = 0; t < threads; ++t)
       for (int i = 0; i < 16; ++i)
         if (lanes[t * m + row].best[i] == top) first = std::min(first, lanes[t * m + row].column[i]);
-    result[row] = first == std::numeric_limits<int32_t>::max() ? 0 : first;
+    result[row] = first;
   }
   return out;
 }
