@@ -78,6 +78,12 @@ class TorchKernels:
         """A whole LlamaDecoderLayer.forward in one call, where a path has it; None: run the layer's own."""
         return None
 
+    def decoder_layers(self, layers, hidden, cos, sin, kv_caches, meta):
+        """Every one of a model's `layers` in turn, as decoder_layer would take each, without the Python
+        between them; returns the stream after the last (its output plus residual). None: run the layers
+        one by one."""
+        return None
+
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -137,24 +143,59 @@ class NativeKernels(TorchKernels):
         """The layer in one C++ call (cpu_kernels.cpp's decoder_layer: the same kernels, without the Python
         between them) where every weight is prepacked (in tiles, or all for oneDNN) and every token is
         the paged attention kernel's (no SDPA span; padding rows past them may follow); else None."""
-        decodes = meta.paged_decodes
-        if (decodes is None or decodes.kernel != "cpu" or meta.decodes or meta.prefills
-                or decodes.num_tokens != meta.slot_mapping.shape[0] or hidden.shape[0] < decodes.num_tokens):
+        if not self._fuses(hidden, meta):
             return None
         weights = self._layer_weights(layer)
         if weights is None:
             return None
+        return tuple(self._run_layer(weights, hidden, residual, cos, sin, kv_cache, meta))
+
+    def decoder_layers(self, layers, hidden, cos, sin, kv_caches, meta):
+        """Every layer through decoder_layer's C++ call, where decoder_layer would take each: a decode
+        step's Python around its layers (a module call, the checks and the weights' lookup per layer)
+        costs about as much as one of the layers' operations."""
+        if len(layers) == 0 or not self._fuses(hidden, meta):
+            return None
+        weights = self._stack_weights(layers)
+        if weights is None:
+            return None
+        output, residual = hidden, None
+        for layer_weights, kv_cache in zip(weights, kv_caches):
+            output, residual = self._run_layer(layer_weights, output, residual, cos, sin, kv_cache, meta)
+        return residual + output
+
+    @staticmethod
+    def _fuses(hidden, meta) -> bool:
+        """Whether the step is one decoder_layer takes: every token row the paged kernel's."""
+        decodes = meta.paged_decodes
+        return (decodes is not None and decodes.kernel == "cpu" and not meta.decodes and not meta.prefills
+                and decodes.num_tokens == meta.slot_mapping.shape[0] and hidden.shape[0] >= decodes.num_tokens)
+
+    def _run_layer(self, weights, hidden, residual, cos, sin, kv_cache, meta):
+        decodes = meta.paged_decodes
         k_cache, v_cache = kv_cache
-        return tuple(self._ops.decoder_layer(weights, hidden, residual, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                             decodes.block_tables, decodes.context_lens, decodes.query_tables,
-                                             meta.block_size))
+        return self._ops.decoder_layer(weights, hidden, residual, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                       decodes.block_tables, decodes.context_lens, decodes.query_tables,
+                                       meta.block_size)
+
+    def _stack_weights(self, layers):
+        """_layer_weights of every layer, kept on the layers' list while the products' weights stay the same
+        tensors; None where a layer has none. The check reads each product's own parameter dict, a dict
+        lookup where `module.weight` is a call of nn.Module.__getattr__."""
+        cached = layers.__dict__.get("_fused_stack")
+        if cached is not None and all(params.get("weight") is weight for params, weight in cached[0]):
+            return cached[1]
+        weights = [self._layer_weights(layer) for layer in layers]
+        checks = tuple((p._parameters, p._parameters.get("weight")) for layer in layers for p in _products(layer))
+        layers.__dict__["_fused_stack"] = (checks, None if any(w is None for w in weights) else weights)
+        return layers.__dict__["_fused_stack"][1]
 
     def _layer_weights(self, layer):
         """The layer's weights gathered for decoder_layer, kept on the layer while its weights stay the
         same tensors; None where they are not all prepacked one way (in tiles, in panels, or for oneDNN;
         not quantized, tensor-parallel or dense)."""
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        attention = layer.self_attn
+        projections = _products(layer)
         matrices = tuple(getattr(p, "weight", None) for p in projections)
         cached = layer.__dict__.get("_fused_weights")
         if cached is not None and all(a is b for a, b in zip(cached[0], matrices)):
@@ -218,6 +259,12 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor | None:
             or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.bfloat16)):
         return None
     return _loaded._ops.argmax_rows(logits)
+
+
+def _products(layer) -> tuple:
+    """A decoder layer's four matrix products' modules: qkv, o, gate/up, down."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def is_tiled(weight: torch.Tensor) -> bool:

@@ -132,6 +132,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    kernels: TorchKernels = TORCH_KERNELS
+
     def __init__(self, config: ModelConfig, device, dtype):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
@@ -173,8 +175,11 @@ class LlamaForCausalLM(nn.Module):
         if self.pad_rows:  # padding rows: token 0 at position 0; attention leaves them out (they are past T)
             padded = padded_rows(rows)
             input_ids, positions = _pad_rows(input_ids, padded), _pad_rows(positions, padded)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T', Dh]
+        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)  # [T', Dh]
         h, residual = self.model.embed_tokens(input_ids), None  # [T', hidden]
+        stream = self.model.kernels.decoder_layers(self.model.layers, h, cos, sin, kv_caches, meta)
+        if stream is not None:  # every layer in the C++ call of NativeKernels.decoder_layer, without Python between
+            return stream[:rows]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
         return (h if residual is None else residual + h)[:rows]
@@ -183,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the norms, rotary, SiLU and the KV cache's writes (and, where they have it, whole layers)
         through `kernels` from now on."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer)):
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP, LlamaDecoderLayer, LlamaModel)):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""A whole decoder layer in one C++ call (cpu_kernels.NativeKernels.decoder_layer): it runs the same
-kernels as the layer's own Python, so an engine generates the same tokens and logprobs either way, and it
-steps aside wherever a step holds something it does not take (an SDPA prompt span, weights that are not
-prepacked for it)."""
+"""A whole decoder layer in one C++ call (cpu_kernels.NativeKernels.decoder_layer, and decoder_layers for
+all of a model's in turn): it runs the same kernels as the layer's own Python, so an engine generates the
+same tokens and logprobs either way, and it steps aside wherever a step holds something it does not take
+(an SDPA prompt span, weights that are not prepacked for it)."""
 from __future__ import annotations
 
 import pytest
@@ -46,19 +46,29 @@ def tiled_model(tmp_path_factory):
 
 
 def _generate(llm, prompts, monkeypatch, fused: bool):
-    """Token ids and logprobs of greedy generation, and how many layer calls took the fused path (and
-    the most rows one of them took)."""
+    """Token ids and logprobs of greedy generation, and how many layers took the fused path (each layer of
+    a decoder_layers call counts), how many declined it, and the most rows one of them took."""
     taken = {"fused": 0, "declined": 0, "most_rows": 0}
-    own = cpu_kernels.NativeKernels.decoder_layer
+    own_layer, own_layers = cpu_kernels.NativeKernels.decoder_layer, cpu_kernels.NativeKernels.decoder_layers
 
-    def counted(self, layer, hidden, *args):
-        result = own(self, layer, hidden, *args) if fused else None
-        taken["fused" if result is not None else "declined"] += 1
+    def count(result, layers, hidden):
         if result is not None:
+            taken["fused"] += layers
             taken["most_rows"] = max(taken["most_rows"], hidden.shape[0])
+
+    def counted_layer(self, layer, hidden, *args):
+        result = own_layer(self, layer, hidden, *args) if fused else None
+        count(result, 1, hidden)
+        taken["declined"] += result is None
         return result
 
-    monkeypatch.setattr(cpu_kernels.NativeKernels, "decoder_layer", counted)
+    def counted_layers(self, layers, hidden, *args):  # None: the model runs its layers one by one, as above
+        result = own_layers(self, layers, hidden, *args) if fused else None
+        count(result, len(layers), hidden)
+        return result
+
+    monkeypatch.setattr(cpu_kernels.NativeKernels, "decoder_layer", counted_layer)
+    monkeypatch.setattr(cpu_kernels.NativeKernels, "decoder_layers", counted_layers)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], taken
@@ -157,3 +167,24 @@ def test_weights_partly_in_tiles_run_the_layers_python(stories_dir, monkeypatch)
     llm = LLM(str(stories_dir), dtype="bfloat16", kv_cache_bytes=4 << 20)  # stories260k's MLP is oneDNN's
     _, taken = _generate(llm, [[1, 400, 300], [1, 50]], monkeypatch, fused=True)
     assert taken["fused"] == 0 and taken["declined"] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layers_weights_are_gathered_again_when_a_product_gets_a_new_weight(tiled_model, monkeypatch, dtype):
+    """decoder_layers keeps every layer's weights gathered between steps; a layer whose product is given
+    another weight (another tensor) is run with it, as the layer's own Python would."""
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
+    model = llm.engine.model_runner.model
+    kernels, layers = model.model.kernels, model.model.layers
+    prompts = _prompts([5, 30])
+    before, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["fused"] > 0 and taken["declined"] == 0
+    gathered = kernels._stack_weights(layers)
+    assert kernels._stack_weights(layers) is gathered  # kept while the weights stay the same tensors
+    o_proj = layers[1].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(o_proj.weight.detach().clone() * 2, requires_grad=False)
+    assert kernels._stack_weights(layers) is not gathered
+    fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
+    assert taken["fused"] > 0 and taken["declined"] == 0
+    plain, _ = _generate(llm, prompts, monkeypatch, fused=False)
+    assert fused == plain and fused != before
