@@ -1,4 +1,4 @@
-"""to_device builds the same tensor torch.tensor would, through numpy where numpy has the dtype."""
+"""to_device builds the same tensor torch.tensor would, through numpy for integer lists."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,8 @@ CASES = [
     ([[]], torch.int32),
     ([0.1, 0.7, 1.3], torch.float32),
     ([0.1, 0.7, 1.3], torch.float64),
-    ([0.1, 0.7, 1.3], torch.bfloat16),  # no numpy dtype: torch.tensor's own rounding
+    ([0.1, 0.7, 1.3], torch.bfloat16),
+    ([1e39, 0.5], torch.float32),  # past float32: inf, as torch.tensor gives it
     ([True, False, True], torch.bool),
     ([2 ** 40, -5], torch.long),
 ]
