@@ -3,10 +3,12 @@ the CPU's prompt kernel (its tokens in tiles, as small matrix products).
 
     python benchmarks/prompt_attention.py
 
-With the `cpu` attention backend, where this CPU's build has the prompt kernel (csrc/prompt_attention.h:
-AVX2 CPUs without AVX-512), every prompt chunk goes to the paged kernel's call, which gives the prompt
-kernel those over 128 tokens of context (a fresh prompt's, and after a cached prefix those of enough
-tokens: csrc/prompt_attention.h); elsewhere a chunk goes to the paged kernel
+With the `cpu` attention backend, where this CPU's build has a prompt kernel for the dtype (bfloat16 on
+the matrix units: csrc/prompt_attention_amx.h; every dtype on AVX2 CPUs without AVX-512:
+csrc/prompt_attention.h), every prompt chunk goes to the paged kernel's call, which gives the prompt
+kernel the chunks of at least 16 tokens (on the matrix units), or those over 128 tokens of context (a
+fresh prompt's, and after a cached prefix those of enough tokens: csrc/prompt_attention.h); elsewhere a
+chunk goes to the paged kernel
 while its query heads times its context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK,
 and to SDPA otherwise. This prints, for one prompt of each length at bench-42m's heads (8 over 4 KV heads of 64)
 and the 1.1 B model's (32 over 4), the milliseconds of one layer's attention each way, in bfloat16 and
@@ -30,10 +32,11 @@ from llmq.model.attention import longest_kernel_prompt  # noqa: E402
 from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noqa: E402
 
 SHAPES = {"bench-42m": (8, 4, 64), "llama-1b": (32, 4, 64)}
-LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
-# A fresh prompt longer than this goes to the prompt kernel within the paged call, where this build has it
-# (csrc/prompt_attention.h's kLongestDecodedContext).
-PROMPT_KERNEL_FROM = 128
+LENGTHS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# A fresh prompt of more tokens than this goes to the prompt kernel within the paged call, where this build
+# has one: on the matrix units from 16 tokens (csrc/prompt_attention_amx.h's kLeastTokens), on an AVX2 CPU
+# past 128 (csrc/prompt_attention.h's kLongestDecodedContext).
+PROMPT_KERNEL_PAST = {"amx": 15, "avx2": 128}
 BLOCK_SIZE = 8
 
 
@@ -75,7 +78,7 @@ def one_prompt(kernels, heads: int, kv_heads: int, head_dim: int, length: int, d
     def prompt_kernel():
         kernels.prompt_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale)
 
-    tiled = best_of_3(prompt_kernel) if kernels.takes_prompt(head_dim) else None
+    tiled = best_of_3(prompt_kernel) if kernels.takes_prompt(head_dim, dtype) else None
     return best_of_3(sdpa), best_of_3(kernel), tiled
 
 
@@ -88,12 +91,14 @@ def main() -> None:
           "prompt / SDPA | the engine takes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
-        longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2", kernels.takes_prompt(head_dim))
         for dtype in (torch.bfloat16, torch.float32):
+            prompt_kernel = kernels.takes_prompt(head_dim, dtype)
+            longest = longest_kernel_prompt(heads, kernels.panel_products == "avx2", prompt_kernel)
+            past = PROMPT_KERNEL_PAST["amx" if prompt_kernel and kernels.panel_products != "avx2" else "avx2"]
             for length in LENGTHS:
                 sdpa, kernel, tiled = one_prompt(kernels, heads, kv_heads, head_dim, length, dtype)
                 if longest is None:  # every chunk the paged call's, which gives the prompt kernel the long ones
-                    takes = "prompt kernel" if length > PROMPT_KERNEL_FROM else "paged kernel"
+                    takes = "prompt kernel" if length > past else "paged kernel"
                 else:
                     takes = "paged kernel" if length <= longest else "SDPA"
                 tiled_ms, tiled_ratio = ("-", "-") if tiled is None else (f"{tiled * 1e3:.2f}", f"{tiled / sdpa:.2f}")

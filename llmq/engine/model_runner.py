@@ -139,7 +139,7 @@ class ModelRunner:
         # ones; None: every chunk (its prompt kernel takes the long ones).
         self.longest_kernel_prompt = longest_kernel_prompt(local.num_attention_heads,
                                                            self.kernels.panel_products == "avx2",
-                                                           self.kernels.takes_prompt(local.head_dim))
+                                                           self.kernels.takes_prompt(local.head_dim, self.dtype))
         # One block more than the block manager hands out: the scratch block that the padding rows of
         # a CUDA graph's step write to (llmq/engine/decode_graphs.py).
         self.num_cache_blocks = self.budget.num_blocks + 1

@@ -42,7 +42,7 @@ class TorchKernels:
     panel_products: str | None = None  # products over float32 or bfloat16 weights in panels: the same
 
     @staticmethod
-    def takes_prompt(head_dim: int) -> bool:
+    def takes_prompt(head_dim: int, dtype: torch.dtype) -> bool:
         """Whether a prompt kernel takes long prompt chunks in the paged attention call: none here."""
         return False
 
@@ -229,22 +229,23 @@ class NativeKernels(TorchKernels):
         """Each query token of q [N, H, Dh] as a decode against caches [KVH, slots, Dh], into out
         [N, H * Dh]: query n reads int32 block_tables [rows, max_blocks] row query_tables[n] (int32 [N];
         row n where None) over its context_lens[n] positions (itself included). A prompt chunk's tokens
-        share their sequence's row, each with its own length; where `takes_prompt(Dh)`, a long chunk's go
+        share their sequence's row, each with its own length; where `takes_prompt(Dh, dtype)`, a long chunk's go
         to the prompt kernel in this call (csrc/prompt_attention.h says which)."""
         self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
                                          query_tables)
 
-    def takes_prompt(self, head_dim: int) -> bool:
-        """Whether this build has the prompt kernel (csrc/prompt_attention.h: on the panel products' AVX2
-        multiply-adds) for heads of `head_dim`: then `paged_decode_attention` takes a long prompt chunk in
-        it, and every chunk's attention is that call's."""
-        return self._ops.prompt_attention_supported(head_dim)
+    def takes_prompt(self, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether this build has a prompt kernel for heads of `head_dim` in `dtype`: on the matrix units
+        for bfloat16 (csrc/prompt_attention_amx.h), on the panel products' AVX2 multiply-adds for every
+        dtype (csrc/prompt_attention.h). Then `paged_decode_attention` takes a long prompt chunk in it,
+        and every chunk's attention is that call's."""
+        return self._ops.prompt_attention_supported(head_dim, str(dtype).removeprefix("torch."))
 
     def prompt_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_cached: int,
                          scale: float) -> torch.Tensor:
         """The prompt kernel on its own (tests, benchmarks): a prompt chunk's causal attention, q [n, H, Dh]
         over keys and values [KVH, num_cached + n, Dh] (its context, its own tokens last) -> [n, H * Dh],
-        where `takes_prompt(Dh)`; the twin of attention.py's SDPA prefill."""
+        where `takes_prompt(Dh, q.dtype)`; the twin of attention.py's SDPA prefill."""
         return self._ops.prompt_attention(q, keys, values, num_cached, scale)
 
 

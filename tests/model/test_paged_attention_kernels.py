@@ -142,7 +142,8 @@ def test_the_cpu_kernel_leaves_longer_prompt_chunks_to_sdpa(step_name, dtype):
 
 # Steps whose long chunks the "cpu" kernel's call gives its prompt kernel, where this build has one
 # (csrc/prompt_attention.h: chunks with more than 128 of context whose tokens times query heads per KV head,
-# 3 here, are at least 64); the rest of the call, decodes and short chunks, each token as a decode.
+# 3 here, are at least 64; csrc/prompt_attention_amx.h: chunks of at least 8 tokens); the rest of the call,
+# decodes and short chunks, each token as a decode.
 # (decodes, chunks)
 PROMPT_KERNEL_STEPS = {
     "a fresh long prompt": ([], ((0, 300),)),
@@ -158,8 +159,8 @@ PROMPT_KERNEL_STEPS = {
 def test_the_cpu_kernels_call_attends_to_long_chunks_as_the_torch_path_does(step_name, dtype, head_dim):
     kernels = native_kernels()
     assert kernels is not None, native_kernels_failure()
-    if not kernels.takes_prompt(head_dim):
-        pytest.skip("no prompt kernel here (it is built on AVX2 CPUs without AVX-512)")
+    if not kernels.takes_prompt(head_dim, dtype):
+        pytest.skip("no prompt kernel here for this dtype (bfloat16 on the matrix units; any on AVX2 CPUs without AVX-512)")
     lengths, prefills = PROMPT_KERNEL_STEPS[step_name]
     num_blocks = 512
     generator = torch.Generator().manual_seed(13)

@@ -18,8 +18,9 @@ from llmq.model.cpu_kernels import native_kernels, native_kernels_failure
 def kernels():
     built = native_kernels()
     assert built is not None, native_kernels_failure()
-    if not built.takes_prompt(64):
-        pytest.skip("the prompt kernel is built on AVX2 CPUs without AVX-512 only (where the panel products are)")
+    if not built.takes_prompt(64, torch.float32):
+        pytest.skip("the prompt kernel for every dtype is built on AVX2 CPUs without AVX-512 only (where the panel "
+                    "products are); tests/model/test_prompt_attention_amx.py has the matrix units' bfloat16 one")
     return built
 
 
@@ -70,7 +71,7 @@ def test_keys_and_values_may_be_views_with_strides_of_their_own(kernels):
 
 
 def test_it_refuses_what_it_cannot_take(kernels):
-    assert not kernels.takes_prompt(24)  # values' panels are 16 columns: 24 is SDPA's
+    assert not kernels.takes_prompt(24, torch.float32)  # values' panels are 16 columns: 24 is SDPA's
     q = torch.randn(3, 2, 24)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         kernels.prompt_attention(q, torch.randn(1, 3, 24), torch.randn(1, 3, 24), 0, 0.2)

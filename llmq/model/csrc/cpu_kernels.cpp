@@ -35,6 +35,7 @@
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
 #include "prompt_attention.h"
+#include "prompt_attention_amx.h"
 #include "softmax.h"
 #include "work_split.h"
 
@@ -617,6 +618,24 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
               "out must be [N, H * head_dim] in q's dtype");
   // The long prompt chunks go to the prompt kernel where this build has it; the rest, each token as a decode.
   torch::Tensor decode_lens = context_lens;
+#ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
+  if (query_table_ptr != nullptr && q.scalar_type() == at::kBFloat16 && llmq_prompt_amx::supports(q.size(2)) &&
+      llmq_tiled::on_matrix_units()) {
+    const auto chunks = llmq_prompt_amx::long_chunks(query_table_ptr, context_lens.data_ptr<int32_t>(), q.size(0),
+                                                     block_tables.data_ptr<int32_t>(), block_tables.stride(0));
+    if (!chunks.empty()) {
+      decode_lens = context_lens.clone();
+      for (const auto& chunk : chunks)  // the decode kernel skips them
+        std::fill_n(decode_lens.data_ptr<int32_t>() + chunk.first, chunk.tokens, 0);
+      llmq_prompt_amx::attend_chunks(chunks, reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), k_cache.stride(0),
+                                     k_cache.stride(1), block_size, q.size(1), k_cache.size(0), q.size(2),
+                                     static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                                     out.stride(0));
+    }
+  }
+#endif
 #ifdef LLMQ_HAS_PROMPT_ATTENTION
   if (query_table_ptr != nullptr && llmq_prompt::supports(q.size(2))) {
     const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -664,12 +683,18 @@ std::string decode_attention_path(const std::string& dtype, int64_t head_dim) {
 
 // ---- a long prompt chunk's attention over its whole context (prompt_attention.h) -----------------------
 
-// Whether prompt_attention takes a chunk whose heads are `head_dim` long here.
-bool prompt_attention_supported(int64_t head_dim) {
+// Whether prompt_attention (and the paged call) takes a chunk of `dtype` whose heads are `head_dim` long here:
+// on the matrix units, bfloat16 (prompt_attention_amx.h); on an AVX2 CPU without AVX-512, every dtype
+// (prompt_attention.h).
+bool prompt_attention_supported(int64_t head_dim, const std::string& dtype) {
+#ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
+  if (dtype == "bfloat16" && llmq_prompt_amx::supports(head_dim) && llmq_tiled::on_matrix_units()) return true;
+#endif
 #ifdef LLMQ_HAS_PROMPT_ATTENTION
   return llmq_prompt::supports(head_dim);
 #else
   (void)head_dim;
+  (void)dtype;
   return false;
 #endif
 }
@@ -678,6 +703,31 @@ bool prompt_attention_supported(int64_t head_dim) {
 // attention [n, H * Dh], the chunk's token i at position num_cached + i.
 torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                int64_t num_cached, double scale) {
+#ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
+  if (q.scalar_type() == at::kBFloat16 && q.dim() == 3 && llmq_prompt_amx::supports(q.size(2)) &&
+      llmq_tiled::on_matrix_units()) {
+    check_cpu(q, "q");
+    TORCH_CHECK(q.stride(2) == 1, "q must be [n, H, head_dim] with contiguous heads");
+    const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+    TORCH_CHECK(num_cached >= 0, "prompt_attention: num_cached must not be negative");
+    TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.size(1) == num_cached + n &&
+                    keys.size(2) == head_dim && keys.scalar_type() == q.scalar_type() &&
+                    values.scalar_type() == q.scalar_type(),
+                "prompt_attention: keys and values must be [KVH, num_cached + n, head_dim] alike, in q's dtype");
+    TORCH_CHECK(keys.size(0) > 0 && num_heads % keys.size(0) == 0,
+                "prompt_attention: the query heads must be a multiple of the KV heads");
+    const torch::Tensor k = keys.contiguous(), v = values.contiguous();  // the kernel reads both with one stride
+    torch::Tensor out = torch::empty({n, num_heads * head_dim}, q.options());
+    const std::vector<llmq_prompt_amx::Chunk> whole{{0, n, num_cached, nullptr}};
+    llmq_prompt_amx::attend_chunks(n > 0 ? whole : std::vector<llmq_prompt_amx::Chunk>(),
+                                   reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                                   reinterpret_cast<const uint16_t*>(k.data_ptr()),
+                                   reinterpret_cast<const uint16_t*>(v.data_ptr()), k.stride(0), k.stride(1), 1,
+                                   num_heads, k.size(0), head_dim, static_cast<float>(scale),
+                                   reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0));
+    return out;
+  }
+#endif
 #ifdef LLMQ_HAS_PROMPT_ATTENTION
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, head_dim] with contiguous heads");
@@ -702,8 +752,8 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& keys
   });
   return out;
 #else
-  TORCH_CHECK(false, "prompt_attention: this build has none (it runs on the panel products, built for AVX2 CPUs "
-              "without AVX-512)");
+  TORCH_CHECK(false, "prompt_attention: this build has none for this dtype and head size (bfloat16 heads of 32, 64, 96 "
+              "or 128 on the matrix units; every dtype on an AVX2 CPU without AVX-512)");
 #endif
 }
 
@@ -1084,7 +1134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
   m.def("prompt_attention_supported", &prompt_attention_supported,
-        "whether prompt_attention takes a head size here (none where the panel products are not built)");
+        "whether prompt_attention takes a head size and dtype here", py::arg("head_dim"), py::arg("dtype"));
   m.def("prompt_attention", &prompt_attention, "a prompt chunk's causal attention over its whole context",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("num_cached"), py::arg("scale"));
 #ifdef LLMQ_HAS_ARGMAX_ROWS
