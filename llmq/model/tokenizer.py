@@ -128,6 +128,11 @@ class Tokenizer:
         self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # What decode() leaves out wherever it stands (IncrementalDetokenizer passes over it): ids past every
+        # token's, and the special tokens where those are skipped. A model's embedding is often wider than
+        # its vocabulary, and its sampled ids there have no text.
+        self._id_bound = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self._special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self.chat_template: str | None = chat_template
         self._compiled_chat_template: jinja2.Template | None = None
 
@@ -205,6 +210,11 @@ class Tokenizer:
         text longer than n times this holds more than n tokens, which is known before encoding it."""
         return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
+    def has_no_text(self, token_id: int, skip_special_tokens: bool = True) -> bool:
+        """Whether decode() leaves `token_id` out wherever it stands: an id past the vocabulary's, or a
+        special token where they are skipped."""
+        return token_id >= self._id_bound or (skip_special_tokens and token_id in self._special_ids)
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`. Incomplete UTF-8 byte sequences come out as U+FFFD. No
         clean-up of spaces is applied (transformers skips it for BPE tokenizers too)."""
@@ -257,6 +267,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._backend = tokenizer._backend
+        self._has_no_text = tokenizer.has_no_text
         self._skip_special_tokens = skip_special_tokens
         # Only the window is kept: tokens before the prefix offset never matter again.
         self._window: list[int] = self._prompt_context(list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]))
@@ -292,6 +303,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Appends one generated token; returns the text it completes ('' while waiting for more bytes)."""
+        if self._has_no_text(token_id, self._skip_special_tokens):
+            return ""  # decode() would leave it out: it need not lengthen the window every later add() decodes
         self._window.append(token_id)
         return self._emit(allow_incomplete=False)
 

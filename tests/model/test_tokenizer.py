@@ -263,6 +263,36 @@ def test_special_tokens_follow_skip_special_tokens(tokenizer, skip_special_token
     assert "".join(deltas) == full[len(prompt_text):]
 
 
+def test_the_ids_decode_leaves_out_are_those_has_no_text_names(tokenizer):
+    ids = tokenizer.encode("  Once upon a time 😀", add_special_tokens=False)
+    past = [tokenizer.vocab_size, tokenizer.vocab_size + 1000]
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_ids[0]]
+    for token_id in past + special:
+        assert tokenizer.has_no_text(token_id)
+        for at in (0, 1, 5, len(ids)):
+            assert tokenizer.decode(ids[:at] + [token_id] + ids[at:]) == tokenizer.decode(ids)
+    assert not any(tokenizer.has_no_text(token_id, skip_special_tokens=False) for token_id in special)
+    assert not any(tokenizer.has_no_text(token_id) for token_id in ids)
+
+
+@pytest.mark.parametrize("text", DETOKENIZER_TEXTS)
+def test_tokens_with_no_text_never_lengthen_the_window(tokenizer, text):
+    """Skipped special tokens and ids past the vocabulary between a text's tokens: the deltas still join
+    to its decode, and a long run of them does not grow the window each later add() decodes."""
+    silent = [tokenizer.eos_token_ids[0], tokenizer.vocab_size + 5]
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    generated = []
+    for i, token_id in enumerate(text_ids):
+        generated += [token_id] + silent * (1 + i % 3)
+    generated += silent * 200
+    prompt_ids = tokenizer.encode("Once upon")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detokenizer.add(token_id) for token_id in generated]
+    assert len(detokenizer._window) <= len(text_ids) + 8
+    deltas.append(detokenizer.flush())
+    assert "".join(deltas) == tokenizer.decode(prompt_ids + text_ids)[len(tokenizer.decode(prompt_ids)):]
+
+
 def test_empty_prompt_matches_plain_decode(tokenizer):
     generated = tokenizer.encode("Once upon a time 😀", add_special_tokens=False)
     assert "".join(stream(tokenizer, [], generated)) == tokenizer.decode(generated)
