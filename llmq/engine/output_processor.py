@@ -68,7 +68,7 @@ class OutputProcessor:
         else:  # a stop token's own text never reaches the output
             checked = len(state.text)
             state.text += state.detokenizer.add(token_id)
-            stop_string, cut = _find_stop(state.text, checked, params.stop)
+            stop_string, cut = _find_stop(state.text, checked, params.stop) if params.stop else (None, 0)
             if stop_string is not None:
                 state.text = state.text[:cut]
                 finish_reason, stop_reason = "stop", stop_string
@@ -76,9 +76,11 @@ class OutputProcessor:
             finish_reason = "length"
             state.text += state.detokenizer.flush()
 
-        if finish_reason is None:
-            holdback = max((len(s) - 1 for s in params.stop), default=0)
+        if finish_reason is None and params.stop:
+            holdback = max(len(s) - 1 for s in params.stop)
             end = max(state.num_emitted_chars, len(state.text) - holdback)
+        elif finish_reason is None:
+            end = len(state.text)
         else:
             end = len(state.text)
             del self._states[seq.seq_id]
