@@ -73,7 +73,7 @@ class BlockManager:
         first_written = num_computed // self.block_size
         needs_copy = (num_new_tokens > 0 and first_written < len(seq.block_table)
                       and self.ref_counts[seq.block_table[first_written]] > 1)
-        reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0) if cached_blocks else 0
         if need_new + needs_copy > self.num_free_blocks - reclaimed:
             return False
 

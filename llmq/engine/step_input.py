@@ -85,8 +85,12 @@ class StepInput:
                 deferred_ids.append((len(input_ids), pending[seq.seq_id]))
                 known = known + [0]
             input_ids.extend(known)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            if n == 1:  # a decode: most rows of most steps, without the ranges a chunk's tokens need
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             last_token_row[r] = len(input_ids) - 1
         decodes = [_decode_group(batch, decode_rows[a:b], a, block_size) for a, b in _split(len(decode_rows))]
         sampler_indices = [i for i, r in enumerate(batch.logits_rows) if r in last_token_row]
