@@ -358,7 +358,8 @@ class ModelRunner:
                 sends.append(dist.isend(hidden, dst=self.group.rank_of(stage.stage + 1)))
                 continue
             head = self.model.greedy_tokens if greedy_tokens else self.model.compute_logits
-            step_logits = head(hidden[to_device(step.sample_rows, self.device)]) if step.sample_rows else None
+            step_logits = (head(hidden.index_select(0, to_device(step.sample_rows, self.device)))
+                           if step.sample_rows else None)
             self.timing.busy_seconds += time.perf_counter() - computing
             if step_logits is not None and self.rank == 0:
                 logits.append(step_logits)

@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)  # [T', Dh]
         h, residual = self.model.embed_tokens(input_ids), None  # [T', hidden]
         stream = self.model.kernels.decoder_layers(self.model.layers, h, cos, sin, kv_caches, meta)
-        if stream is not None:  # every layer in the C++ call of NativeKernels.decoder_layer, without Python between
+        if stream is not None:  # every layer in decoder_layer's C++ call, no Python between them
             return stream[:rows]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)

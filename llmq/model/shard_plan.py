@@ -7,6 +7,7 @@ the next stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,9 +32,10 @@ class ShardPlan:
         return cls(config, TensorParallelShape(config, tensor_rank, tensor_parallel_size),
                    PipelineStage.of(config.num_hidden_layers, pipeline_parallel_size, stage))
 
-    @property
+    @cached_property
     def local_config(self) -> ModelConfig:
-        """This rank's heads and rows (the layers count stays the model's)."""
+        """This rank's heads and rows (the layers count stays the model's). Kept: a step reads it, and
+        building it anew (a dataclass replace) costs more than the rest of a step's bookkeeping for it."""
         return self.tensor.local_config()
 
     def build_meta(self, max_positions: int, dtype, comm: Communicator | None) -> LlamaForCausalLM:

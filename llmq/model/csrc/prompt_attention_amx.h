@@ -69,6 +69,11 @@ struct Layout {
   int64_t keys, values;
 };
 
+// 16 bfloat16 values in the low half of a register.
+inline __m512i widen(const uint16_t* values) {
+  return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+}
+
 // Lays out one (chunk, KV head)'s keys and values (the layouts above) at key_tiles and value_tiles.
 inline void lay_out(const Chunk& chunk, const uint16_t* k_head, const uint16_t* v_head, int64_t token_stride,
                     int64_t block_size, int64_t head_dim, uint16_t* key_tiles, uint16_t* value_tiles) {
@@ -78,8 +83,9 @@ inline void lay_out(const Chunk& chunk, const uint16_t* k_head, const uint16_t* 
   for (int64_t kb = 0; kb < key_blocks; ++kb)
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t t = kb * 16 + j;
-      const auto* key = t < context ? reinterpret_cast<const uint32_t*>(k_head + chunk.slot(t, block_size) * token_stride)
-                                    : nullptr;  // past the context: zeros (its block table has no entry there)
+      // Past the context: zeros (its block table has no entry there).
+      const uint16_t* row = t < context ? k_head + chunk.slot(t, block_size) * token_stride : nullptr;
+      const auto* key = reinterpret_cast<const uint32_t*>(row);
       for (int64_t dt = 0; dt < dim_tiles; ++dt) {
         auto* tile = reinterpret_cast<uint32_t*>(key_tiles + (kb * dim_tiles + dt) * kTileElements);
         for (int64_t r = 0; r < 16; ++r) tile[r * 16 + j] = key != nullptr ? key[dt * 16 + r] : 0u;
@@ -94,11 +100,8 @@ inline void lay_out(const Chunk& chunk, const uint16_t* k_head, const uint16_t* 
       const uint16_t* va = a < context ? v_head + chunk.slot(a, block_size) * token_stride : nullptr;
       const uint16_t* vb_row = b < context ? v_head + chunk.slot(b, block_size) * token_stride : nullptr;
       for (int64_t c = 0; c < dim_blocks; ++c) {
-        const __m512i lo = va ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + c * 16)))
-                              : _mm512_setzero_si512();
-        const __m512i hi = vb_row ? _mm512_castsi256_si512(
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb_row + c * 16)))
-                                  : _mm512_setzero_si512();
+        const __m512i lo = va ? widen(va + c * 16) : _mm512_setzero_si512();
+        const __m512i hi = vb_row ? widen(vb_row + c * 16) : _mm512_setzero_si512();
         _mm512_storeu_si512(value_tiles + ((vb * dim_blocks + c) * 16 + r) * 32,
                             _mm512_permutex2var_epi16(lo, interleave, hi));
       }
@@ -284,9 +287,10 @@ inline void attend_chunks(const std::vector<Chunk>& chunks, const uint16_t* q, i
       weigh_values(probs.data(), width, value_tiles.get() + layout.values, width / 32, dim_blocks, result.data());
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t* dst = out + (chunk.first + first + r) * out_stride + piece.head * head_dim;
+        const float* src = result.data() + r * head_dim;
         for (int64_t d = 0; d < head_dim; d += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(result.data() + r * head_dim + d))));
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d))));
       }
     }
     _tile_release();
