@@ -13,8 +13,9 @@ where it also keeps a decode step's shapes fixed for CUDA graphs, "cpu" the fuse
 (llmq/model/cpu_kernels.py). Prompt chunks take SDPA, a call each, except with "triton", whose prefill
 kernel takes all of a step's chunks in one launch (PagedPrefills), and with "cpu", whose kernel takes them
 in the same call as the decodes: short ones each token as a decode at its position, long ones in its prompt
-kernel where this CPU's build has one (csrc/prompt_attention.h), so that it takes every chunk; else only
-the short ones (longest_kernel_prompt).
+kernel where this CPU's build has one for the dtype (csrc/prompt_attention_amx.h for bfloat16 on the matrix
+units, csrc/prompt_attention.h on AVX2), so that it takes every chunk; else only the short ones
+(longest_kernel_prompt).
 """
 from __future__ import annotations
 
