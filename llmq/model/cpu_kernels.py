@@ -229,8 +229,9 @@ class NativeKernels(TorchKernels):
         """Each query token of q [N, H, Dh] as a decode against caches [KVH, slots, Dh], into out
         [N, H * Dh]: query n reads int32 block_tables [rows, max_blocks] row query_tables[n] (int32 [N];
         row n where None) over its context_lens[n] positions (itself included). A prompt chunk's tokens
-        share their sequence's row, each with its own length; where `takes_prompt(Dh, dtype)`, a long chunk's go
-        to the prompt kernel in this call (csrc/prompt_attention.h says which)."""
+        share their sequence's row, each with its own length; where `takes_prompt(Dh, dtype)`, a long
+        chunk's go to the prompt kernel in this call (csrc/prompt_attention_amx.h and prompt_attention.h
+        say which)."""
         self._ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out,
                                          query_tables)
 

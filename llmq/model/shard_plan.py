@@ -34,8 +34,8 @@ class ShardPlan:
 
     @cached_property
     def local_config(self) -> ModelConfig:
-        """This rank's heads and rows (the layers count stays the model's). Kept: a step reads it, and
-        building it anew (a dataclass replace) costs more than the rest of a step's bookkeeping for it."""
+        """This rank's heads and rows (the layers count stays the model's). Kept once built: every step
+        reads it, and a dataclass replace each time was a visible part of a step's host work."""
         return self.tensor.local_config()
 
     def build_meta(self, max_positions: int, dtype, comm: Communicator | None) -> LlamaForCausalLM:
