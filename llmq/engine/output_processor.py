@@ -76,14 +76,14 @@ class OutputProcessor:
             finish_reason = "length"
             state.text += state.detokenizer.flush()
 
-        if finish_reason is None and params.stop:
-            holdback = max(len(s) - 1 for s in params.stop)
-            end = max(state.num_emitted_chars, len(state.text) - holdback)
-        elif finish_reason is None:
-            end = len(state.text)
-        else:
+        if finish_reason is not None:
             end = len(state.text)
             del self._states[seq.seq_id]
+        elif params.stop:  # what could be the start of a stop string waits
+            holdback = max(len(s) - 1 for s in params.stop)
+            end = max(state.num_emitted_chars, len(state.text) - holdback)
+        else:
+            end = len(state.text)
         text = state.text[state.num_emitted_chars:end]
         state.num_emitted_chars = end
         tokens = tuple(seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:])  # not a copy of all output
