@@ -24,7 +24,7 @@ from stack.local import LocalStack
 from tests.service.conftest import MODEL_NAME, wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
-from selenium.common.exceptions import WebDriverException  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -97,6 +97,13 @@ class Person:
         return self.browser.find_elements(By.CSS_SELECTOR, css)
 
     def text(self, css: str) -> str:
+        """The element's text, found again where the page replaced it between the lookup and the read: the
+        pages' live parts (charts, tables) re-render on their own."""
+        for _ in range(10):
+            try:
+                return self.find(css).text
+            except StaleElementReferenceException:
+                time.sleep(0.05)
         return self.find(css).text
 
     def sees(self, css: str, timeout: float = 120.0):
