@@ -6,8 +6,9 @@
 // so a prefill step's attention costs far more than its arithmetic. Here 16 of a chunk's tokens at a time,
 // for one query head, multiply their KV head's keys (S = Q K^T) and, after an exact softmax of each row
 // (every score first), the values (P V), in tiles of the matrix units. The products' sums come in another
-// order than the paged kernel's, so a bfloat16 result can differ from it in its last bit; the softmax is
-// the paged kernel's own (its exponential, its rounding of the probabilities to bfloat16).
+// order than the paged kernel's, so a score, and through it a probability rounded to bfloat16, can land
+// one rounding away; the softmax is the paged kernel's own (its exponential, its rounding of the
+// probabilities to bfloat16).
 //
 // Layouts, made once per (chunk, KV head) and read by each of its query heads' tiles:
 // - keys: for each 16 keys and 32 dimensions, the tile TDPBF16PS reads as its second operand: row r holds,
@@ -38,7 +39,7 @@ namespace llmq_prompt_amx {
 
 using llmq_tiled::kTileElements;      // bfloat16 elements of a tile: 16 rows of 32
 constexpr int64_t kTileTokens = 16;   // a tile's query rows: 16 tokens of one query head
-constexpr int64_t kMostDimTiles = 4;  // a tile of queries stays in tile registers: 4 of 32 dimensions at most
+constexpr int64_t kMostDimTiles = 4;  // a tile's queries stay in tile registers: at most 4 tiles of 32 dimensions
 
 // In a paged call, the chunks this kernel takes rather than each of their tokens as a decode: those of at
 // least this many tokens. In a call of many chunks it measured level with the decode kernel at 8 tokens a
