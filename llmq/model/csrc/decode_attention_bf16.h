@@ -54,6 +54,28 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+// One head's scores s[0 .. length) -> its softmax, normalised, then rounded to bfloat16, at p[0 .. padded),
+// padded being length rounded up to 16: s past length is set to -inf here, so that the padding's
+// probabilities are zeros (and the last token has a partner to pair with). Also the matrix units' prompt
+// kernel's softmax (prompt_attention_amx.h), so that a chunk's tokens round theirs as decodes do.
+inline void probabilities(float* s, int64_t length, int64_t padded, uint16_t* p) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = length; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  __m512 top_v = minus_inf;
+  for (int64_t t = 0; t < padded; t += kKeys) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + t));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top_v));
+  __m512 total_v = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += kKeys) {
+    const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)).exp_u20();
+    _mm512_storeu_ps(s + t, e);
+    total_v = _mm512_add_ps(total_v, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total_v));
+  for (int64_t t = 0; t < padded; t += kKeys)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv))));
+}
+
 // One (sequence, KV head): its `group` query heads (q, bfloat16, `q_head_stride` apart) against the `length`
 // keys and values at `rows` (each token's row, in elements from its head's start, padded to `padded` with the
 // last one), into out (`group` heads of head_dim, contiguous). kVecs = head_dim / 32.
@@ -93,27 +115,7 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
     }
   }
 
-  // Softmax per head, normalised, then rounded to bfloat16; the padding past the end scores -inf, so its
-  // probabilities are zeros and the last token has a partner to pair with.
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * padded;
-    for (int64_t t = length; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
-    __m512 top_v = minus_inf;
-    for (int64_t t = 0; t < padded; t += kKeys) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + t));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top_v));
-    __m512 total_v = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += kKeys) {
-      const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)).exp_u20();
-      _mm512_storeu_ps(s + t, e);
-      total_v = _mm512_add_ps(total_v, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total_v));
-    uint16_t* p = probs + g * padded;
-    for (int64_t t = 0; t < padded; t += kKeys)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv))));
-  }
+  for (int64_t g = 0; g < group; ++g) probabilities(scores + g * padded, length, padded, probs + g * padded);
 
   // Weighted sum of values, two tokens per instruction: vdpbf16ps takes the tokens' values interleaved
   // (v_t[d], v_t+1[d]) against the pair (p_t, p_t+1). The interleave scrambles the dims' order within each

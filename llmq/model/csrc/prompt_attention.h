@@ -172,14 +172,10 @@ struct Chunk {
 // each one position past the last (lens, their context lengths; a row the call leaves alone has none).
 inline std::vector<Chunk> long_chunks(const int32_t* query_tables, const int32_t* lens, int64_t n, int64_t group) {
   std::vector<Chunk> chunks;
-  for (int64_t first = 0, last = 0; first < n; first = last) {
-    last = first + 1;
-    while (last < n && lens[first] > 0 && query_tables[last] == query_tables[first] &&
-           lens[last] == lens[last - 1] + 1)
-      ++last;
+  llmq_split::for_each_chunk(query_tables, lens, n, [&](int64_t first, int64_t last) {
     if ((last - first) * group >= kLeastRows && lens[last - 1] > kLongestDecodedContext)
       chunks.push_back({first, last - first});
-  }
+  });
   return chunks;
 }
 

@@ -18,22 +18,24 @@
 // Both are zero past the context, so that a tile may run over its end (the probabilities there are zero).
 #pragma once
 
-#ifdef LLMQ_HAS_AMX
+#include "decode_attention_bf16.h"
+#include "tiled_linear.h"
+
+// The matrix units' products, and the bfloat16 decode kernel's softmax (which needs ATen's AVX-512 vectors).
+#if defined(LLMQ_HAS_AMX) && defined(LLMQ_HAS_BF16_DECODE_ATTENTION)
 #define LLMQ_HAS_AMX_PROMPT_ATTENTION 1
 
 #include <immintrin.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <vector>
 
-#include "tiled_linear.h"
+#include "work_split.h"
 
 namespace llmq_prompt_amx {
 
@@ -143,34 +145,17 @@ void score_tile(const uint16_t* queries, const uint16_t* key_tiles, int64_t key_
 }
 
 // Each of the tile's `rows` score rows (row i's context: lengths[i] leading scores, times `scale`) -> its
-// probabilities in bfloat16 [16, width], zero past its context and in rows past `rows`: the paged kernel's
-// softmax (decode_attention_bf16.h's attend), its padding to 16 keys included.
+// probabilities in bfloat16 [16, width], zero past its context and in rows past `rows`: the paged
+// kernel's softmax (decode_attention_bf16.h's probabilities), its padding to 16 keys included.
 inline void probabilities(float* scores, int64_t rows, const int64_t* lengths, float scale, int64_t width,
                           uint16_t* probs) {
-  const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < 16; ++i) {
     uint16_t* p = probs + i * width;
     const int64_t length = i < rows ? lengths[i] : 0, padded = round_up(length, 16);
     float* s = scores + i * width;
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __mmask16 inside = t + 16 <= length ? 0xFFFF : static_cast<__mmask16>((1u << (length - t)) - 1);
-      _mm512_storeu_ps(s + t, _mm512_mask_mul_ps(minus_inf, inside, _mm512_loadu_ps(s + t), scale_v));
-    }
-    if (length > 0) {
-      __m512 top_v = minus_inf;
-      for (int64_t t = 0; t < padded; t += 16) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(s + t));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top_v));
-      __m512 total_v = _mm512_setzero_ps();
-      for (int64_t t = 0; t < padded; t += 16) {
-        const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)).exp_u20();
-        _mm512_storeu_ps(s + t, e);
-        total_v = _mm512_add_ps(total_v, e);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total_v));
-      for (int64_t t = 0; t < padded; t += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv))));
-    }
+    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), scale_v));
+    if (length > 0) llmq_bf16::probabilities(s, length, padded, p);
     std::fill(p + padded, p + width, uint16_t{0});
   }
 }
@@ -244,21 +229,14 @@ inline void attend_chunks(const std::vector<Chunk>& chunks, const uint16_t* q, i
     int64_t chunk, tile, head, keys;
   };
   std::vector<Piece> pieces;
-  int64_t total = 0;
   for (size_t c = 0; c < chunks.size(); ++c)
     for (int64_t tile = 0; tile * kTileTokens < chunks[c].tokens; ++tile) {
       const int64_t keys = chunks[c].num_cached + std::min(chunks[c].tokens, (tile + 1) * kTileTokens);
       for (int64_t head = 0; head < num_heads; ++head) pieces.push_back({static_cast<int64_t>(c), tile, head, keys});
-      total += keys * num_heads;
     }
   const int64_t threads = std::max(1, at::get_num_threads());
-  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(pieces.size()));
-  bounds[0] = 0;
-  int64_t done = 0, part = 1;
-  for (size_t i = 0; i < pieces.size() && part < threads; ++i) {
-    done += pieces[i].keys;
-    while (part < threads && done * threads >= total * part) bounds[part++] = static_cast<int64_t>(i) + 1;
-  }
+  const std::vector<int64_t> bounds = llmq_split::equal_cost_runs(
+      static_cast<int64_t>(pieces.size()), threads, [&](int64_t i) { return pieces[i].keys; });
   auto score = dim_tiles == 1 ? score_tile<1> : dim_tiles == 2 ? score_tile<2> : dim_tiles == 3 ? score_tile<3>
                                                                                                    : score_tile<4>;
   at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t last_part) {
@@ -304,13 +282,10 @@ inline void attend_chunks(const std::vector<Chunk>& chunks, const uint16_t* q, i
 inline std::vector<Chunk> long_chunks(const int32_t* query_tables, const int32_t* lens, int64_t n,
                                       const int32_t* block_tables, int64_t table_stride) {
   std::vector<Chunk> chunks;
-  for (int64_t first = 0, last = 0; first < n; first = last) {
-    last = first + 1;
-    while (last < n && lens[first] > 0 && query_tables[last] == query_tables[first] && lens[last] == lens[last - 1] + 1)
-      ++last;
+  llmq_split::for_each_chunk(query_tables, lens, n, [&](int64_t first, int64_t last) {
     if (lens[first] > 0 && last - first >= kLeastTokens)
       chunks.push_back({first, last - first, lens[first] - 1, block_tables + query_tables[first] * table_stride});
-  }
+  });
   return chunks;
 }
 
