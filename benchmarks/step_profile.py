@@ -57,7 +57,8 @@ MODELS = {"bench-42m": (bench_model_dir, 64, 32000), "llama-1b": (model_1b_dir, 
 # Operator name -> group, first match wins (view 2). "llmq::" names are the fused C++ kernels' calls, which
 # are not torch operators: label_kernel_calls names them for the profiler.
 GROUPS = [
-    ("fused decoder layers (one C++ call a layer: its products, attention, norms)", ("llmq::decoder_layer",)),
+    ("fused decoder layers (one C++ call a layer: its products, attention, norms)",
+     ("llmq::decoder_layer",)),  # and llmq::decoder_layers, a step's layers in one loop of those calls
     ("matrix products", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int",
                          "aten::_convert_weight", "llmq::panel_linear", "llmq::tiled_linear", "llmq::silu_and_mul_of",
                          "llmq::tiled_argmax")),
@@ -101,7 +102,7 @@ class Sections:
 
 
 # The kernels object's calls that label_kernel_calls names, where it has them.
-KERNEL_CALLS = ("decoder_layer", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "silu_and_mul_of", "write_kv",
+KERNEL_CALLS = ("decoder_layers", "decoder_layer", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "silu_and_mul_of", "write_kv",
                 "paged_decode_attention")
 
 
