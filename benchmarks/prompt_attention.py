@@ -6,7 +6,7 @@ the CPU's prompt kernel (its tokens in tiles, as small matrix products).
 With the `cpu` attention backend, where this CPU's build has a prompt kernel for the dtype (bfloat16 on
 the matrix units: csrc/prompt_attention_amx.h; every dtype on AVX2 CPUs without AVX-512:
 csrc/prompt_attention.h), every prompt chunk goes to the paged kernel's call, which gives the prompt
-kernel the chunks of at least 16 tokens (on the matrix units), or those over 128 tokens of context (a
+kernel the chunks of at least 8 tokens (on the matrix units), or those over 128 tokens of context (a
 fresh prompt's, and after a cached prefix those of enough tokens: csrc/prompt_attention.h); elsewhere a
 chunk goes to the paged kernel
 while its query heads times its context squared is at most llmq/model/attention.py's PROMPT_KERNEL_WORK,
@@ -34,9 +34,9 @@ from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noq
 SHAPES = {"bench-42m": (8, 4, 64), "llama-1b": (32, 4, 64)}
 LENGTHS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # A fresh prompt of more tokens than this goes to the prompt kernel within the paged call, where this build
-# has one: on the matrix units from 16 tokens (csrc/prompt_attention_amx.h's kLeastTokens), on an AVX2 CPU
+# has one: on the matrix units from 8 tokens (csrc/prompt_attention_amx.h's kLeastTokens), on an AVX2 CPU
 # past 128 (csrc/prompt_attention.h's kLongestDecodedContext).
-PROMPT_KERNEL_PAST = {"amx": 15, "avx2": 128}
+PROMPT_KERNEL_PAST = {"amx": 7, "avx2": 128}
 BLOCK_SIZE = 8
 
 
