@@ -11,6 +11,7 @@ import torch
 
 from llmq.model.attention import _prefill_attention
 from llmq.model.cpu_kernels import native_kernels, native_kernels_failure
+from tests.model.conftest import scattered_block_tables
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +63,8 @@ def _paged_call(kernels, chunks, decodes, block_size, head_dim=64, heads=8, kv_h
     sequence's blocks scattered over the cache: (the call's output, how the rows split into chunks)."""
     generator = torch.Generator().manual_seed(seed)
     contexts = [c + n for c, n in chunks] + list(decodes)
-    blocks = [-(-length // block_size) for length in contexts]
-    order = torch.randperm(sum(blocks) + 8, generator=generator).to(torch.int32)
-    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
-    taken = 0
-    for row, count in enumerate(blocks):
-        tables[row, :count] = order[taken:taken + count]
-        taken += count
-    slots = (len(order)) * block_size
+    tables, num_blocks = scattered_block_tables(contexts, block_size, generator)
+    slots = num_blocks * block_size
     k_cache, v_cache = (torch.randn(kv_heads, slots, head_dim, generator=generator).to(torch.bfloat16)
                         for _ in range(2))
     query_tables, lengths = [], []

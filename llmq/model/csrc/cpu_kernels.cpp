@@ -32,6 +32,7 @@
 #include <immintrin.h>
 #endif
 #include "tiled_linear.h"
+#include "decode_attention_amx.h"
 #include "decode_attention_bf16.h"
 #include "paged_prefetch.h"
 #include "prompt_attention.h"
@@ -658,11 +659,20 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 #endif
 #ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
   if (q.scalar_type() == at::kBFloat16 && llmq_bf16::supports(q.size(2))) {
-    llmq_bf16::decode_attention(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
-                                v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
-                                block_tables.stride(0), query_table_ptr, decode_lens.data_ptr<int32_t>(), q.size(0),
-                                q.size(1), k_cache.size(0), q.size(2), block_size, static_cast<float>(scale),
-                                out.data_ptr<at::BFloat16>(), out.stride(0));
+    auto attend = [&](auto* kernel) {
+      llmq_bf16::decode_attention<std::remove_pointer_t<decltype(kernel)>>(
+          q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
+          v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+          query_table_ptr, decode_lens.data_ptr<int32_t>(), q.size(0), q.size(1), k_cache.size(0), q.size(2),
+          block_size, static_cast<float>(scale), out.data_ptr<at::BFloat16>(), out.stride(0));
+    };
+#ifdef LLMQ_HAS_AMX_DECODE_ATTENTION
+    if (llmq_decode_amx::takes(q.size(1) / k_cache.size(0), q.size(2)) && llmq_tiled::on_matrix_units()) {
+      attend(static_cast<llmq_decode_amx::TileAttend*>(nullptr));
+      return;
+    }
+#endif
+    attend(static_cast<llmq_bf16::VectorAttend*>(nullptr));
     return;
   }
 #endif
@@ -672,12 +682,18 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   });
 }
 
-// Which code decode attention runs for `dtype` and `head_dim`: "avx512-bf16" (decode_attention_bf16.h) or
-// "vector" (attend above).
-std::string decode_attention_path(const std::string& dtype, int64_t head_dim) {
+// Which code decode attention runs for `dtype`, `head_dim` and `group` query heads per KV head: "amx"
+// (decode_attention_amx.h), "avx512-bf16" (decode_attention_bf16.h) or "vector" (attend above).
+std::string decode_attention_path(const std::string& dtype, int64_t head_dim, int64_t group) {
 #ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
-  if (dtype == "bfloat16" && llmq_bf16::supports(head_dim)) return "avx512-bf16";
+  if (dtype == "bfloat16" && llmq_bf16::supports(head_dim)) {
+#ifdef LLMQ_HAS_AMX_DECODE_ATTENTION
+    if (llmq_decode_amx::takes(group, head_dim) && llmq_tiled::on_matrix_units()) return "amx";
 #endif
+    return "avx512-bf16";
+  }
+#endif
+  (void)group;
   return "vector";
 }
 
@@ -1131,7 +1147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each query token as a decode over the paged cache, through its own or a shared block table row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("query_tables") = py::none());
-  m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype and head size");
+  m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype, head size and query heads per KV head");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
   m.def("prompt_attention_supported", &prompt_attention_supported,
         "whether prompt_attention takes a head size and dtype here", py::arg("head_dim"), py::arg("dtype"));

@@ -164,16 +164,33 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
 // Whether `attend` takes heads of this size.
 inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
+// What a thread of decode_attention runs for each (query, KV head): `attend` above, for the head size, having
+// asked for the next piece's keys and values (`ahead`). Made once per thread, as the matrix units' kernel (decode_attention_amx.h) is, which configures its tiles then.
+class VectorAttend {
+ public:
+  explicit VectorAttend(int64_t head_dim)
+      : attend_(head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>) {}
+  void operator()(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
+                  const int64_t* rows, int64_t length, int64_t group, float scale, float* scores, uint16_t* probs,
+                  int64_t padded, uint16_t* out, llmq_prefetch::ContextFetch& ahead) const {
+    ahead.next(ahead.lines());  // all at once: this kernel's arithmetic outlasts the reads
+    attend_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores, probs, padded, out);
+  }
+
+ private:
+  decltype(&attend<1>) attend_;
+};
+
 // q [N, H, Dh] (heads contiguous), caches [KVH, slots, Dh] contiguous, out [N, H * Dh] rows `out_stride` apart.
-// Query n reads the cache through block table row query_tables[n] (row n where query_tables is null).
-inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_head_stride,
-                             const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t cache_head_stride,
-                             const int32_t* tables, int64_t table_stride, const int32_t* query_tables,
-                             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale, c10::BFloat16* out,
-                             int64_t out_stride) {
+// Query n reads the cache through block table row query_tables[n] (row n where query_tables is null). Each
+// (query, KV head) is attended by a thread's Attend (VectorAttend, or decode_attention_amx.h's TileAttend).
+template <typename Attend = VectorAttend>
+void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_head_stride,
+                      const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t cache_head_stride,
+                      const int32_t* tables, int64_t table_stride, const int32_t* query_tables, const int32_t* lens,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, float scale, c10::BFloat16* out, int64_t out_stride) {
   const int64_t group = num_heads / num_kv_heads;
-  auto attend_here = head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>;
   const auto* qp = reinterpret_cast<const uint16_t*>(q);
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
@@ -181,6 +198,8 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
   const int64_t threads = std::max(1, at::get_num_threads());
   const std::vector<int64_t> runs = llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads);
   at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
+    if (runs[first_run] == runs[last_run]) return;
+    Attend attend_here(head_dim);
     std::vector<float> scores;
     std::vector<uint16_t> probs;
     // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
@@ -207,19 +226,22 @@ inline void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int
           for (; rows_built < block_end; ++rows_built) rows[rows_built] = base + rows_built * head_dim;
         }
         std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
+        // The next piece's keys and values, asked for into L2 while this one computes.
+        llmq_prefetch::ContextFetch ahead;
         const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
         if (item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next)) {
           const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
-          llmq_prefetch::context_to_l2(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                       reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                       tables + next_row * table_stride, lens[next], block_size,
-                                       block_size * head_dim * 2);
+          ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                              reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                              tables + next_row * table_stride, lens[next], block_size,
+                                              block_size * head_dim * 2);
         }
         scores.resize(group * padded);
         probs.resize(group * padded);
         attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
                     kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
-                    scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim);
+                    scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim,
+                    ahead);
       }
   });
 }

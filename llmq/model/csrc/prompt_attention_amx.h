@@ -77,11 +77,33 @@ inline __m512i widen(const uint16_t* values) {
   return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
 }
 
+// Lays out `context` tokens' values (the layout above) at value_tiles, token t's row at row(t); zeros from
+// the context's end to the next 32 keys. Also the matrix units' decode kernel's (decode_attention_amx.h).
+template <typename Row>
+void lay_out_values(int64_t context, int64_t head_dim, const Row& row, uint16_t* value_tiles) {
+  const int64_t dim_blocks = head_dim / 16, pair_blocks = (context + 31) / 32;
+  // Two keys' 16 dimensions interleaved per tile row.
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t vb = 0; vb < pair_blocks; ++vb)
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t a = vb * 32 + 2 * r, b = a + 1;
+      const uint16_t* va = a < context ? row(a) : nullptr;
+      const uint16_t* vb_row = b < context ? row(b) : nullptr;
+      for (int64_t c = 0; c < dim_blocks; ++c) {
+        const __m512i lo = va ? widen(va + c * 16) : _mm512_setzero_si512();
+        const __m512i hi = vb_row ? widen(vb_row + c * 16) : _mm512_setzero_si512();
+        _mm512_storeu_si512(value_tiles + ((vb * dim_blocks + c) * 16 + r) * 32,
+                            _mm512_permutex2var_epi16(lo, interleave, hi));
+      }
+    }
+}
+
 // Lays out one (chunk, KV head)'s keys and values (the layouts above) at key_tiles and value_tiles.
 inline void lay_out(const Chunk& chunk, const uint16_t* k_head, const uint16_t* v_head, int64_t token_stride,
                     int64_t block_size, int64_t head_dim, uint16_t* key_tiles, uint16_t* value_tiles) {
-  const int64_t context = chunk.context(), dim_tiles = head_dim / 32, dim_blocks = head_dim / 16;
-  const int64_t key_blocks = (context + 15) / 16, pair_blocks = (context + 31) / 32;
+  const int64_t context = chunk.context(), dim_tiles = head_dim / 32;
+  const int64_t key_blocks = (context + 15) / 16;
   // Keys: a 16 x 16 transpose of 32-bit pairs per tile (a key's 32 dimensions are one row of 16 pairs).
   for (int64_t kb = 0; kb < key_blocks; ++kb)
     for (int64_t j = 0; j < 16; ++j) {
@@ -94,21 +116,8 @@ inline void lay_out(const Chunk& chunk, const uint16_t* k_head, const uint16_t* 
         for (int64_t r = 0; r < 16; ++r) tile[r * 16 + j] = key != nullptr ? key[dt * 16 + r] : 0u;
       }
     }
-  // Values: two keys' 16 dimensions interleaved per tile row.
-  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                              6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t vb = 0; vb < pair_blocks; ++vb)
-    for (int64_t r = 0; r < 16; ++r) {
-      const int64_t a = vb * 32 + 2 * r, b = a + 1;
-      const uint16_t* va = a < context ? v_head + chunk.slot(a, block_size) * token_stride : nullptr;
-      const uint16_t* vb_row = b < context ? v_head + chunk.slot(b, block_size) * token_stride : nullptr;
-      for (int64_t c = 0; c < dim_blocks; ++c) {
-        const __m512i lo = va ? widen(va + c * 16) : _mm512_setzero_si512();
-        const __m512i hi = vb_row ? widen(vb_row + c * 16) : _mm512_setzero_si512();
-        _mm512_storeu_si512(value_tiles + ((vb * dim_blocks + c) * 16 + r) * 32,
-                            _mm512_permutex2var_epi16(lo, interleave, hi));
-      }
-    }
+  lay_out_values(context, head_dim, [&](int64_t t) { return v_head + chunk.slot(t, block_size) * token_stride; },
+                 value_tiles);
 }
 
 // A query tile's scores against keys 0 .. key_blocks * 16 - 1: S [16, key_blocks * 16] (row stride `width`
@@ -195,6 +204,13 @@ inline void weigh_values(const uint16_t* probs, int64_t width, const uint16_t* v
   }
 }
 
+// A row of `length` floats (a multiple of 16), rounded to bfloat16 at dst.
+inline void store_rounded(const float* row, int64_t length, uint16_t* dst) {
+  for (int64_t d = 0; d < length; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(row + d))));
+}
+
 // The chunks' attention: q [rows of the call, H, Dh] bfloat16 (strides in elements), the caches' KV head h
 // at k_cache + h * head_stride (its slot s at s * token_stride), out [rows, H * Dh] (rows out_stride apart).
 // Runs on the matrix units: the caller checks llmq_tiled::on_matrix_units() and supports(head_dim).
@@ -264,13 +280,9 @@ inline void attend_chunks(const std::vector<Chunk>& chunks, const uint16_t* q, i
       score(queries.data(), key_tiles.get() + layout.keys, (piece.keys + 15) / 16, scores.data(), width);
       probabilities(scores.data(), rows, lengths, scale, width, probs.data());
       weigh_values(probs.data(), width, value_tiles.get() + layout.values, width / 32, dim_blocks, result.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        uint16_t* dst = out + (chunk.first + first + r) * out_stride + piece.head * head_dim;
-        const float* src = result.data() + r * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d))));
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        store_rounded(result.data() + r * head_dim, head_dim,
+                      out + (chunk.first + first + r) * out_stride + piece.head * head_dim);
     }
     _tile_release();
   });

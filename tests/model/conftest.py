@@ -1,0 +1,19 @@
+"""Helpers shared by the model tests."""
+from __future__ import annotations
+
+import torch
+
+
+def scattered_block_tables(contexts: list[int], block_size: int, generator: torch.Generator,
+                           spare: int = 8) -> tuple[torch.Tensor, int]:
+    """Block tables (int32 [len(contexts), most blocks]) for sequences of these context lengths, their
+    blocks taken in a random order from a cache of `spare` more blocks than they need; and that cache's
+    number of blocks."""
+    blocks = [-(-length // block_size) for length in contexts]
+    order = torch.randperm(sum(blocks) + spare, generator=generator).to(torch.int32)
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    taken = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = order[taken:taken + count]
+        taken += count
+    return tables, len(order)
