@@ -19,7 +19,8 @@ llmq, vLLM, llmq, vLLM, ..., every round with fresh prompt ids. Prints each roun
 each adjacent pair's ratio llmq/vLLM and the medians, MFU against the peak matmul rate measured in
 this run in that dtype (the faster of a 2048^2 product and the decode-shaped one below: where a 2048^2
 product's operands stream from memory, as on a CPU with a small L3, it is the slower; each rate the
-fastest of torch's own product and the products llmq runs over prepacked weights here), and the
+fastest of torch's own product and the products llmq runs over prepacked weights here, measured before
+the rounds and after them, the faster taken, as this machine's speed moves between hours), and the
 machine's limit for the workload: the step-time floor max(matmul FLOPs / the measured decode-shaped
 matmul rate, weight bytes / the measured copy bandwidth) for each decode step's batch, summed over the
 workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). While llmq
@@ -280,15 +281,15 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
     torch_dtype = getattr(torch, dtype)
     useful = sum(o for _, o in requests)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    log(f"{dtype}: measuring the machine (matmul peak, decode-shaped matmul, copy bandwidth)")
-    square = matmul_rate(2048, 2048, 2048, torch_dtype, repeats=3)
-    decode = matmul_rate(len(requests), hidden, inter, torch_dtype)
-    peak = max(square, decode)  # a floor must not be slower than a product this run measured
-    bandwidth = copy_bandwidth()
+    def measure_machine(when: str) -> dict:
+        log(f"{dtype}: measuring the machine {when} (matmul peak, decode-shaped matmul, copy bandwidth)")
+        return {"square": matmul_rate(2048, 2048, 2048, torch_dtype, repeats=3),
+                "decode": matmul_rate(len(requests), hidden, inter, torch_dtype), "bandwidth": copy_bandwidth()}
+
+    at_start = measure_machine("before the rounds")
     flops_per_token = 2 * matmul_params(config)
     weight_bytes = matmul_params(config) * DTYPE_BYTES[dtype]
-    out = {"matmul_2048_gflops": square / 1e9, "decode_matmul_gflops": decode / 1e9, "matmul_peak_gflops": peak / 1e9,
-           "copy_gbps": bandwidth / 1e9, "llmq_tok_s": [], "vllm_tok_s": [], "vllm_error": None}
+    out = {"llmq_tok_s": [], "vllm_tok_s": [], "vllm_error": None}
 
     log(f"{dtype}: loading llmq")
     engine = LLMEngine(EngineConfig(model=str(folder), dtype=dtype, max_num_seqs=args.max_num_seqs,
@@ -329,6 +330,10 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
                     continue
                 out["vllm_tok_s"].append(rate)
                 log(f"{dtype} round {r + 1}/{args.rounds}: vLLM {rate:.1f} useful tok/s")
+        # Again after the rounds: this machine's speed moves between hours, and a floor must not be slower
+        # than a product or a copy this run measured.
+        with worker.paused() if worker is not None else contextlib.nullcontext():
+            at_end = measure_machine("after the rounds")
     finally:
         engine.close()
         del engine
@@ -336,6 +341,12 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         if worker is not None:
             worker.close()
 
+    square, decode, bandwidth = (max(at_start[key], at_end[key]) for key in ("square", "decode", "bandwidth"))
+    peak = max(square, decode)
+    out.update({"matmul_2048_gflops": square / 1e9, "decode_matmul_gflops": decode / 1e9,
+                "matmul_peak_gflops": peak / 1e9, "copy_gbps": bandwidth / 1e9,
+                "machine_at_start": {key: value / 1e9 for key, value in at_start.items()},
+                "machine_at_end": {key: value / 1e9 for key, value in at_end.items()}})
     out["ratios"] = pair_ratios(out["llmq_tok_s"], out["vllm_tok_s"])
     for system in ("llmq", "vllm"):
         rates = out[f"{system}_tok_s"]
@@ -350,10 +361,13 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
 
 def report(dtype: str, r: dict, requests, config: dict) -> None:
     n = len(requests)
+    start, end = r["machine_at_start"], r["machine_at_end"]
     print(f"\n### {dtype}: matmul 2048^2 {r['matmul_2048_gflops']:.0f} GFLOP/s, decode-shaped "
           f"[{n}x{config['hidden_size']}]x[{config['hidden_size']}x{config['intermediate_size']}] "
           f"{r['decode_matmul_gflops']:.0f} GFLOP/s (peak: the faster, {r['matmul_peak_gflops']:.0f}), "
-          f"copy bandwidth {r['copy_gbps']:.1f} GB/s")
+          f"copy bandwidth {r['copy_gbps']:.1f} GB/s: each the faster of before the rounds "
+          f"({start['square']:.0f}, {start['decode']:.0f}, {start['bandwidth']:.1f}) and after them "
+          f"({end['square']:.0f}, {end['decode']:.0f}, {end['bandwidth']:.1f})")
     if r["vllm_error"]:
         print(f"vLLM failed: {r['vllm_error']}")
     print("| round | llmq useful tok/s | vLLM useful tok/s | llmq / vLLM |\n|---|---|---|---|")
