@@ -659,7 +659,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 #endif
 #ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
   if (q.scalar_type() == at::kBFloat16 && llmq_bf16::supports(q.size(2))) {
-    auto attend = [&](auto* kernel) {
+    auto attend = [&](auto* kernel) {  // the kernel's type, as a null pointer to one
       llmq_bf16::decode_attention<std::remove_pointer_t<decltype(kernel)>>(
           q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
           v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
@@ -1147,7 +1147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each query token as a decode over the paged cache, through its own or a shared block table row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"), py::arg("query_tables") = py::none());
-  m.def("decode_attention_path", &decode_attention_path, "which code decode attention runs for a dtype, head size and query heads per KV head");
+  m.def("decode_attention_path", &decode_attention_path,
+        "which code decode attention runs for a dtype, head size and query heads per KV head");
   m.def("write_kv", &write_kv, "a step's keys and values into their cache slots");
   m.def("prompt_attention_supported", &prompt_attention_supported,
         "whether prompt_attention takes a head size and dtype here", py::arg("head_dim"), py::arg("dtype"));

@@ -165,7 +165,8 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
 inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // What a thread of decode_attention runs for each (query, KV head): `attend` above, for the head size, having
-// asked for the next piece's keys and values (`ahead`). Made once per thread, as the matrix units' kernel (decode_attention_amx.h) is, which configures its tiles then.
+// asked for the next piece's keys and values (`ahead`). Made once per thread, as the matrix units' kernel
+// (decode_attention_amx.h) is, which configures its tiles then.
 class VectorAttend {
  public:
   explicit VectorAttend(int64_t head_dim)

@@ -1,5 +1,5 @@
 // Asking for the next piece of decode attention's keys and values ahead of it, included by cpu_kernels.cpp
-// and decode_attention_bf16.h.
+// and the bfloat16 decode kernels (decode_attention_bf16.h, decode_attention_amx.h).
 #pragma once
 
 #include <cstdint>
@@ -43,13 +43,6 @@ class ContextFetch {
   const int32_t* table_ = nullptr;
   int64_t blocks_ = 0, block_bytes_ = 0, block_ = 0, offset_ = 0;
 };
-
-// All of one (sequence, KV head)'s lines at once (ContextFetch's, in one go).
-inline void context_to_l2(const char* k_head, const char* v_head, const int32_t* table, int64_t length,
-                          int64_t block_size, int64_t block_bytes) {
-  ContextFetch all(k_head, v_head, table, length, block_size, block_bytes);
-  all.next(all.lines());
-}
 
 // Whether query n is the first to read its block table row (query_tables[n], or n's own where there are
 // none): a decode always is; a prompt chunk's later tokens re-read the blocks their predecessor just read,
