@@ -164,6 +164,13 @@ class NativeKernels(TorchKernels):
             output, residual = self._run_layer(layer_weights, output, residual, cos, sin, kv_cache, meta)
         return residual + output
 
+    def layer_rows_at_once(self, layer) -> int | None:
+        """The rows decoder_layer takes through `layer` at a time (a longer step's in groups of this many),
+        or None where it does not take the layer: more where its products run in tiles on the matrix units
+        (csrc/cpu_kernels.cpp, kTiledLayerRowsAtOnce)."""
+        weights = self._layer_weights(layer)
+        return None if weights is None else self._ops.layer_rows_at_once(weights)
+
     @staticmethod
     def _fuses(hidden, meta) -> bool:
         """Whether the step is one decoder_layer takes: every token row the paged kernel's."""

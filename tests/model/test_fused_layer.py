@@ -92,18 +92,30 @@ def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_mod
     assert fused == plain
 
 
+def _rows_at_once(llm) -> int:
+    """The rows the C++ layer takes at once with this engine's weights (256; 2,048 in tiles on the matrix
+    units)."""
+    layer = llm.engine.model_runner.model.model.layers[0]
+    at_once = cpu_kernels.native_kernels().layer_rows_at_once(layer)
+    assert at_once is not None
+    return at_once
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_a_time(tiled_model, monkeypatch,
-                                                                                       dtype):
-    """More rows than the C++ layer takes at once (kLayerRowsAtOnce, 256): prompts cross the boundaries
-    between its row groups at 256 and 512, and a token there attends to keys an earlier group wrote."""
-    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
-    # Rows 0-99, 100-219, 220-329, 330-449, 450-539: one prefill step of 540 rows. Each prompt's tokens
-    # attend as decodes (at most 128 of context: none is the prompt kernel's, which a chunk split at a
-    # boundary would take on one side only, its sums in another order).
-    lengths = [100, 120, 110, 120, 90]
+def test_a_long_prefill_step_goes_through_the_fused_layer_a_group_of_rows_at_a_time(tiled_model, monkeypatch,
+                                                                                     dtype):
+    """More rows than the C++ layer takes at once: prompts cross the boundaries between its row groups,
+    and a token there attends to keys an earlier group wrote."""
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=8192)
+    at_once = _rows_at_once(llm)
+    # One prefill step of about two groups and a half, in prompts of 90-120 tokens, the boundaries inside
+    # prompts. Each prompt's tokens attend as decodes (at most 128 of context: none is the SDPA's or the
+    # prompt kernel's, which a chunk split at a boundary would take on one side only, its sums in another
+    # order).
+    lengths = [90 + 10 * (i % 4) for i in range(int(2.5 * at_once) // 105)]
     longest = llm.engine.model_runner.longest_kernel_prompt
     assert longest is None or max(lengths) <= longest  # every chunk the kernel's
+    assert sum(lengths) > 2 * at_once
     fused, taken = _generate(llm, _prompts(lengths, seed=1), monkeypatch, fused=True)
     model = llm.engine.model_runner.model  # rows are padded where oneDNN's kernels take the products
     rows = padded_rows(sum(lengths)) if model.pad_rows else sum(lengths)
@@ -115,10 +127,14 @@ def test_a_long_prefill_step_goes_through_the_fused_layer_a_few_hundred_rows_at_
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decode_step_of_more_sequences_than_the_layer_takes_at_once(tiled_model, monkeypatch, dtype):
     """Decodes read their own block table row (no query tables): each group of rows reads its own rows."""
-    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_seqs=300)
-    prompts = _prompts([3 + i % 6 for i in range(300)], seed=2)
+    probe = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
+    sequences = _rows_at_once(probe) + 44
+    del probe
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_seqs=sequences,
+              max_num_batched_tokens=max(2048, 9 * sequences))
+    prompts = _prompts([3 + i % 6 for i in range(sequences)], seed=2)
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
-    assert taken["declined"] == 0 and taken["most_rows"] > 300  # the prefill step; its decodes take 300
+    assert taken["declined"] == 0 and taken["most_rows"] > sequences  # the prefill step; its decodes take all
     plain, _ = _generate(llm, prompts, monkeypatch, fused=False)
     assert fused == plain
 

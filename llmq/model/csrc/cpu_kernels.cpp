@@ -1095,13 +1095,29 @@ std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor
 // pass; this many at a time stay in the caches, at the cost of reading the layer's weights once for
 // each of them, which the products at this many rows hide (benchmarks/product_shapes.py).
 constexpr int64_t kLayerRowsAtOnce = 256;
+// Where the products run in tiles on the matrix units, a layer takes this many: a tiled product keeps its
+// own inputs in L2 (every group of 32 rows passes over a run of weight tiles while the run stays there),
+// so more rows at once read each weight fewer times, and measured faster up to a step's 2,048 (README: CPU
+// kernels). oneDNN's products (float32 here) measured slower at 2,048.
+constexpr int64_t kTiledLayerRowsAtOnce = 2048;
+
+// The rows decoder_layer takes through a layer at once with these weights.
+int64_t layer_rows_at_once(const LayerWeights& w) {
+#ifdef LLMQ_HAS_AMX
+  const bool tiled = !w.gate_up.is_mkldnn() && w.gate_up.dim() >= 4;  // panels are 3-d
+  if (tiled && llmq_tiled::on_matrix_units()) return kTiledLayerRowsAtOnce;
+#else
+  (void)w;
+#endif
+  return kLayerRowsAtOnce;
+}
 
 // llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
 // from Python: the Python between them (a module call, a wrapper and views per operation) costs more
 // than several of the operations at decode sizes. Every query row is a decode or a short prompt chunk's
 // token (the paged kernel's: no SDPA span); rows past the slot mapping's are the model's padding (its
 // products' row counts are oneDNN's buckets), which attention leaves zero as paged_attention does.
-// Rows go through kLayerRowsAtOnce at a time, in order: a prompt's token attends only to positions up
+// Rows go through layer_rows_at_once(w) at a time, in order: a prompt's token attends only to positions up
 // to its own, whose keys and values the rows before it (or its own) have written into the cache by then.
 // Returns (output, residual), as the layer does.
 std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Tensor& hidden,
@@ -1110,7 +1126,7 @@ std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Ten
                                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                          const torch::Tensor& context_lens,
                                          const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
-  const int64_t rows = hidden.size(0), tokens = slot_mapping.size(0), at_once = kLayerRowsAtOnce;
+  const int64_t rows = hidden.size(0), tokens = slot_mapping.size(0), at_once = layer_rows_at_once(w);
   if (rows <= at_once)
     return layer_rows(w, hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                       query_tables, block_size);
@@ -1174,6 +1190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
            py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"));
+  m.def("layer_rows_at_once", &layer_rows_at_once, "the rows decoder_layer takes through a layer at once");
   m.def("decoder_layer", &decoder_layer, "a Llama decoder layer whose attention is all the paged kernel's",
         py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
