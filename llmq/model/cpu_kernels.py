@@ -226,7 +226,7 @@ class NativeKernels(TorchKernels):
             TorchKernels.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def decode_attention_path(self, dtype: torch.dtype, head_dim: int, query_heads_per_kv_head: int = 1) -> str:
-        """Which code `paged_decode_attention` runs: "amx" (bfloat16 on the matrix units, where 4 to 16 query
+        """Which code `paged_decode_attention` runs: "amx" (bfloat16 on the matrix units, where 8 to 16 query
         heads share a KV head, csrc/decode_attention_amx.h), "avx512-bf16" (bfloat16 on a CPU with
         AVX512-BF16, csrc/decode_attention_bf16.h) or "vector" (float32 arithmetic on ATen's vector types)."""
         return self._ops.decode_attention_path(str(dtype).removeprefix("torch."), head_dim, query_heads_per_kv_head)

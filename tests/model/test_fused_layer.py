@@ -127,11 +127,9 @@ def test_a_long_prefill_step_goes_through_the_fused_layer_a_group_of_rows_at_a_t
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decode_step_of_more_sequences_than_the_layer_takes_at_once(tiled_model, monkeypatch, dtype):
     """Decodes read their own block table row (no query tables): each group of rows reads its own rows."""
-    probe = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False)
-    sequences = _rows_at_once(probe) + 44
-    del probe
-    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_seqs=sequences,
-              max_num_batched_tokens=max(2048, 9 * sequences))
+    llm = LLM(str(tiled_model), dtype=dtype, enable_prefix_caching=False, max_num_seqs=4096,
+              max_num_batched_tokens=32768)
+    sequences = _rows_at_once(llm) + 44
     prompts = _prompts([3 + i % 6 for i in range(sequences)], seed=2)
     fused, taken = _generate(llm, prompts, monkeypatch, fused=True)
     assert taken["declined"] == 0 and taken["most_rows"] > sequences  # the prefill step; its decodes take all
