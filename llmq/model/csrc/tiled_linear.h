@@ -49,6 +49,9 @@ constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
 // loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead. The dot
 // products' loads are not held up that way: there the prefetch measured level (0, 16 or 48 steps).
 constexpr int64_t kPrefetchSteps = 16;
+// Whether the matrix units' products of more than kFewRowTiles row tiles deal their chunks to the threads
+// as they come free (multiply_on_tiles).
+constexpr bool kDealLongProducts = true;
 
 #ifdef LLMQ_HAS_AMX
 struct alignas(64) TileConfig {
@@ -210,10 +213,17 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
   // group of 32 rows passes over a run while its tiles are in the thread's L2.
   const PairRuns split(w, row_tiles);
   const int64_t pairs = split.pairs, per_chunk = split.per_chunk, chunks = split.chunks;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  // Decode-sized products take their chunks in contiguous runs, an equal share per thread: memory sets
+  // their pace, and a thread's prefetch runs on into its own next chunk. Longer ones are dealt a chunk at
+  // a time to whichever thread is free: their arithmetic sets the pace, and equal shares finished apart.
+  const bool dealt = kDealLongProducts && row_tiles > kFewRowTiles;
+  std::atomic<int64_t> next_chunk{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
+  at::parallel_for(0, dealt ? threads : chunks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) ResultTiles c;
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
+    const int64_t stop = dealt ? chunks : end;
+    for (int64_t chunk = dealt ? next_chunk++ : begin; chunk < stop; chunk = dealt ? next_chunk++ : chunk + 1) {
       const int64_t last_pair = std::min(pairs, (chunk + 1) * per_chunk);
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
         const bool two_rows = rt + 1 < row_tiles;
