@@ -49,9 +49,6 @@ constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
 // loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead. The dot
 // products' loads are not held up that way: there the prefetch measured level (0, 16 or 48 steps).
 constexpr int64_t kPrefetchSteps = 16;
-// Whether the matrix units' products of more than kFewRowTiles row tiles deal their chunks to the threads
-// as they come free (multiply_on_tiles).
-constexpr bool kDealLongProducts = true;
 
 #ifdef LLMQ_HAS_AMX
 struct alignas(64) TileConfig {
@@ -216,7 +213,7 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
   // Decode-sized products take their chunks in contiguous runs, an equal share per thread: memory sets
   // their pace, and a thread's prefetch runs on into its own next chunk. Longer ones are dealt a chunk at
   // a time to whichever thread is free: their arithmetic sets the pace, and equal shares finished apart.
-  const bool dealt = kDealLongProducts && row_tiles > kFewRowTiles;
+  const bool dealt = row_tiles > kFewRowTiles;
   std::atomic<int64_t> next_chunk{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
   at::parallel_for(0, dealt ? threads : chunks, 1, [&](int64_t begin, int64_t end) {
