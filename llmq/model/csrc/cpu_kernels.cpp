@@ -620,8 +620,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   // The long prompt chunks go to the prompt kernel where this build has it; the rest, each token as a decode.
   torch::Tensor decode_lens = context_lens;
 #ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
-  if (query_table_ptr != nullptr && q.scalar_type() == at::kBFloat16 && llmq_prompt_amx::supports(q.size(2)) &&
-      llmq_tiled::on_matrix_units()) {
+  if (query_table_ptr != nullptr && q.scalar_type() == at::kBFloat16 && llmq_prompt_amx::runs_here(q.size(2))) {
     const auto chunks = llmq_prompt_amx::long_chunks(query_table_ptr, context_lens.data_ptr<int32_t>(), q.size(0),
                                                      block_tables.data_ptr<int32_t>(), block_tables.stride(0));
     if (!chunks.empty()) {
@@ -667,7 +666,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
           block_size, static_cast<float>(scale), out.data_ptr<at::BFloat16>(), out.stride(0));
     };
 #ifdef LLMQ_HAS_AMX_DECODE_ATTENTION
-    if (llmq_decode_amx::takes(q.size(1) / k_cache.size(0), q.size(2)) && llmq_tiled::on_matrix_units()) {
+    if (llmq_decode_amx::runs_here(q.size(1) / k_cache.size(0), q.size(2))) {
       attend(static_cast<llmq_decode_amx::TileAttend*>(nullptr));
       return;
     }
@@ -688,7 +687,7 @@ std::string decode_attention_path(const std::string& dtype, int64_t head_dim, in
 #ifdef LLMQ_HAS_BF16_DECODE_ATTENTION
   if (dtype == "bfloat16" && llmq_bf16::supports(head_dim)) {
 #ifdef LLMQ_HAS_AMX_DECODE_ATTENTION
-    if (llmq_decode_amx::takes(group, head_dim) && llmq_tiled::on_matrix_units()) return "amx";
+    if (llmq_decode_amx::runs_here(group, head_dim)) return "amx";
 #endif
     return "avx512-bf16";
   }
@@ -704,7 +703,7 @@ std::string decode_attention_path(const std::string& dtype, int64_t head_dim, in
 // (prompt_attention.h).
 bool prompt_attention_supported(int64_t head_dim, const std::string& dtype) {
 #ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
-  if (dtype == "bfloat16" && llmq_prompt_amx::supports(head_dim) && llmq_tiled::on_matrix_units()) return true;
+  if (dtype == "bfloat16" && llmq_prompt_amx::runs_here(head_dim)) return true;
 #endif
 #ifdef LLMQ_HAS_PROMPT_ATTENTION
   return llmq_prompt::supports(head_dim);
@@ -720,8 +719,7 @@ bool prompt_attention_supported(int64_t head_dim, const std::string& dtype) {
 torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                int64_t num_cached, double scale) {
 #ifdef LLMQ_HAS_AMX_PROMPT_ATTENTION
-  if (q.scalar_type() == at::kBFloat16 && q.dim() == 3 && llmq_prompt_amx::supports(q.size(2)) &&
-      llmq_tiled::on_matrix_units()) {
+  if (q.scalar_type() == at::kBFloat16 && q.dim() == 3 && llmq_prompt_amx::runs_here(q.size(2))) {
     check_cpu(q, "q");
     TORCH_CHECK(q.stride(2) == 1, "q must be [n, H, head_dim] with contiguous heads");
     const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);

@@ -42,9 +42,9 @@ constexpr int64_t kMostGroup = 16;
 // How far ahead of its products a piece asks for its own keys and values: pairs of 16-key tiles.
 constexpr int64_t kFetchPairs = 4;
 
-// Whether it takes KV heads of `head_dim` shared by `group` query heads (the caller checks the matrix units).
-inline bool takes(int64_t group, int64_t head_dim) {
-  return group >= kLeastGroup && group <= kMostGroup && llmq_prompt_amx::supports(head_dim);
+// Whether it runs here for KV heads of `head_dim` shared by `group` query heads: on the matrix units.
+inline bool runs_here(int64_t group, int64_t head_dim) {
+  return group >= kLeastGroup && group <= kMostGroup && llmq_prompt_amx::runs_here(head_dim);
 }
 
 // What a thread of llmq_bf16::decode_attention runs for each (query, KV head), in its place of VectorAttend:
@@ -60,12 +60,11 @@ class TileAttend {
   TileAttend(const TileAttend&) = delete;
   TileAttend& operator=(const TileAttend&) = delete;
 
-  // VectorAttend's call: `group` query heads (q, `q_head_stride` apart) against the `length` keys and values
-  // at `rows`, into out (`group` heads of head_dim, contiguous). The caller's score buffers go unused: this
-  // kernel's rows are whole tiles of 32 keys, and its probabilities 16 rows of them.
+  // VectorAttend's call. Its rows of scores and probabilities are whole tiles of 32 keys, and its
+  // probabilities 16 rows of them (a tile's), zero past the group.
   void operator()(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
-                  const int64_t* rows, int64_t length, int64_t group, float scale, float*, uint16_t*, int64_t,
-                  uint16_t* out, llmq_prefetch::ContextFetch& ahead) {
+                  const int64_t* rows, int64_t length, int64_t group, float scale, uint16_t* out,
+                  llmq_prefetch::ContextFetch& ahead) {
     const int64_t width = llmq_prompt_amx::round_up(length, 32), dim_blocks = head_dim_ / 16;
     scores_.resize(kTileRows * width);
     probs_.resize(kTileRows * width);

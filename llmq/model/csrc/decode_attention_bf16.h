@@ -164,22 +164,33 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
 // Whether `attend` takes heads of this size.
 inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
+// Rows of `length` tokens padded to whole rounds of kKeys.
+inline int64_t padded_length(int64_t length) { return (length + kKeys - 1) / kKeys * kKeys; }
+
 // What a thread of decode_attention runs for each (query, KV head): `attend` above, for the head size, having
 // asked for the next piece's keys and values (`ahead`). Made once per thread, as the matrix units' kernel
-// (decode_attention_amx.h) is, which configures its tiles then.
+// (decode_attention_amx.h) is, which configures its tiles then; each keeps its own buffers between pieces.
+// The call: `group` query heads (q, `q_head_stride` apart) against the `length` keys and values at `rows`
+// (repeating the last one up to padded_length), into out (`group` heads of head_dim, contiguous).
 class VectorAttend {
  public:
   explicit VectorAttend(int64_t head_dim)
       : attend_(head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>) {}
   void operator()(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
-                  const int64_t* rows, int64_t length, int64_t group, float scale, float* scores, uint16_t* probs,
-                  int64_t padded, uint16_t* out, llmq_prefetch::ContextFetch& ahead) const {
+                  const int64_t* rows, int64_t length, int64_t group, float scale, uint16_t* out,
+                  llmq_prefetch::ContextFetch& ahead) {
     ahead.next(ahead.lines());  // all at once: this kernel's arithmetic outlasts the reads
-    attend_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores, probs, padded, out);
+    const int64_t padded = padded_length(length);
+    scores_.resize(group * padded);
+    probs_.resize(group * padded);
+    attend_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores_.data(), probs_.data(), padded,
+            out);
   }
 
  private:
   decltype(&attend<1>) attend_;
+  std::vector<float> scores_;
+  std::vector<uint16_t> probs_;
 };
 
 // q [N, H, Dh] (heads contiguous), caches [KVH, slots, Dh] contiguous, out [N, H * Dh] rows `out_stride` apart.
@@ -201,8 +212,6 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
   at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
     if (runs[first_run] == runs[last_run]) return;
     Attend attend_here(head_dim);
-    std::vector<float> scores;
-    std::vector<uint16_t> probs;
     // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
     // padded length repeat the last one. Shared by the table's KV heads and by a chunk's queries, each
     // of which reads a prefix.
@@ -214,7 +223,7 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
         const int64_t length = lens[n];
         if (length <= 0) continue;
         const int64_t table_row = query_tables != nullptr ? query_tables[n] : n;
-        const int64_t padded = (length + kKeys - 1) / kKeys * kKeys;
+        const int64_t padded = padded_length(length);
         if (rows_of != table_row) {
           rows_of = table_row;
           rows_built = 0;
@@ -237,12 +246,9 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
                                               tables + next_row * table_stride, lens[next], block_size,
                                               block_size * head_dim * 2);
         }
-        scores.resize(group * padded);
-        probs.resize(group * padded);
         attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
                     kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
-                    scale, scores.data(), probs.data(), padded, op + n * out_stride + kv_head * group * head_dim,
-                    ahead);
+                    scale, op + n * out_stride + kv_head * group * head_dim, ahead);
       }
   });
 }

@@ -52,6 +52,9 @@ constexpr int64_t kLeastTokens = 8;
 // tile registers at once.
 inline bool supports(int64_t head_dim) { return head_dim > 0 && head_dim % 32 == 0 && head_dim / 32 <= kMostDimTiles; }
 
+// Whether the kernel runs here for bfloat16 heads of `head_dim`: supports(head_dim), on the matrix units.
+inline bool runs_here(int64_t head_dim) { return supports(head_dim) && llmq_tiled::on_matrix_units(); }
+
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // A chunk's `tokens` queries from row `first` of the call, at positions num_cached .. num_cached + tokens - 1,
@@ -213,7 +216,7 @@ inline void store_rounded(const float* row, int64_t length, uint16_t* dst) {
 
 // The chunks' attention: q [rows of the call, H, Dh] bfloat16 (strides in elements), the caches' KV head h
 // at k_cache + h * head_stride (its slot s at s * token_stride), out [rows, H * Dh] (rows out_stride apart).
-// Runs on the matrix units: the caller checks llmq_tiled::on_matrix_units() and supports(head_dim).
+// Runs on the matrix units: the caller checks runs_here(head_dim).
 inline void attend_chunks(const std::vector<Chunk>& chunks, const uint16_t* q, int64_t q_token_stride,
                           int64_t q_head_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                           int64_t head_stride, int64_t token_stride, int64_t block_size, int64_t num_heads,
