@@ -111,7 +111,9 @@ def test_a_cancel_ends_a_very_large_request_at_the_next_step(engine_process, red
     runner.join(30)
     [job] = ended
     time.sleep(0.3)  # the child's figures come with its next report
-    assert engine_process.stats()["steps"] - steps_at_cancel <= 3
+    # The cancel crosses a pipe and a thread while steps of this tiny model take a millisecond or two,
+    # so a few steps may pass before it lands; serving on would take hundreds.
+    assert engine_process.stats()["steps"] - steps_at_cancel <= 8
     finished = [o.finish_reason for outs in job.outputs for o in outs]
     assert len(finished) == 1200 and finished.count("abort") >= 1190
     assert job.completion_tokens < 1200
