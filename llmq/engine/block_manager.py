@@ -92,20 +92,27 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Publish the blocks that are full once `num_computed_tokens` are computed, for prefix hits.
-        A block holding a pending token (still on the device) waits: its hash needs that token."""
+        A block holding a pending token (still on the device) waits: its hash needs that token.
+        Each of a sequence's blocks is offered once (`seq.num_offered_blocks`), as it fills, so a step
+        costs its new blocks, not the whole context; a block whose contents another block had published
+        by then stays unpublished."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_offered_blocks:
+            return
         self._extend_hashes(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_offered_blocks, num_full):
             block, block_hash = seq.block_table[i], seq.block_hashes[i]
             if self.block_hash[block] is None and block_hash not in self.cached_blocks:
                 self.block_hash[block] = block_hash
                 self.cached_blocks[block_hash] = block
+        seq.num_offered_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (n > 1 samples of one prompt)."""
         child.block_table = list(parent.block_table)
+        child.num_offered_blocks = parent.num_offered_blocks
         for block in child.block_table:
             self.ref_counts[block] += 1
 
@@ -119,6 +126,7 @@ class BlockManager:
                 if self.block_hash[block] is None:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
+        seq.num_offered_blocks = 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -44,6 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_offered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache so far
     status: SequenceStatus = SequenceStatus.WAITING
     forks_pending: int = 0  # siblings still to be forked off when the prompt is done (n > 1)
     finish_reason: str | None = None

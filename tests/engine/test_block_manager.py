@@ -252,6 +252,60 @@ def test_partial_cache_publishing_follows_num_computed_tokens():
     assert set(bm.cached_blocks.values()) == {0, 1, 2}
 
 
+def test_each_block_is_offered_once_as_it_fills():
+    bm = manager()
+    a = make_seq(range(6))
+    assert bm.allocate_slots(a, 6)
+    bm.cache_full_blocks(a, 6)
+    assert a.num_offered_blocks == 1 and bm.cached_blocks == {a.block_hashes[0]: 0}
+    bm.cache_full_blocks(a, 6)  # nothing new filled: nothing offered
+    assert a.num_offered_blocks == 1
+    a.token_ids.extend([6, 7])
+    assert bm.allocate_slots(a, 2)
+    bm.cache_full_blocks(a, 8)
+    assert a.num_offered_blocks == 2 and bm.cached_blocks == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    # Another sequence with the same tokens keeps its own copies unpublished: one block per hash.
+    b = make_seq(range(8), request_id="b")
+    assert bm.allocate_slots(b, 8)
+    bm.cache_full_blocks(b, 8)
+    assert b.num_offered_blocks == 2 and b.block_table == [2, 3]
+    assert bm.block_hash[2] is None and bm.block_hash[3] is None
+
+
+def test_a_freed_sequence_offers_its_blocks_again_when_recomputed():
+    """A preempted sequence loses its blocks; recomputed into new ones, it publishes those."""
+    bm = manager()
+    a = make_seq(range(8))
+    admit(bm, a)
+    assert a.num_offered_blocks == 2
+    bm.free(a)
+    assert a.num_offered_blocks == 0
+    filler = make_seq(range(100, 132), request_id="filler")  # takes all 8 blocks: evicts a's
+    assert bm.allocate_slots(filler, 32)
+    bm.free(filler)
+    assert bm.cached_blocks == {}
+    a.num_computed_tokens = 0
+    assert bm.find_cached_prefix(a) == []
+    assert bm.allocate_slots(a, 8)
+    bm.cache_full_blocks(a, 8)
+    assert set(bm.cached_blocks.values()) == set(a.block_table) and len(a.block_table) == 2
+
+
+def test_a_forked_sample_offers_only_the_blocks_it_fills_after_the_fork():
+    bm = manager()
+    parent = make_seq(range(6))
+    admit(bm, parent)  # block 0 published, block 1 partial
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert child.num_offered_blocks == 1
+    child.token_ids.extend([76, 77])  # positions 6, 7 fill the child's copy of block 1
+    assert bm.allocate_slots(child, 2)
+    child.num_computed_tokens = 8
+    bm.cache_full_blocks(child, 8)
+    assert child.block_table == [0, 2] and bm.block_hash[2] == child.block_hashes[1]
+    assert child.num_offered_blocks == 2
+
+
 def test_a_difference_in_block_zero_breaks_every_later_hit():
     bm = manager()
     prompt = list(range(13))
