@@ -7,11 +7,12 @@
     python benchmarks/step_profile.py --dtype bfloat16 --no-greedy-head   # greedy steps' logits stored, then argmax
     python benchmarks/step_profile.py --dtype bfloat16 --compare-greedy-head 8   # without/with it, alternated
     python benchmarks/step_profile.py --async-scheduling --no-profiler   # each step launched before the last is read
+    python benchmarks/step_profile.py --prefix-caching --no-profiler     # the prefix cache on, as in the workers
     python benchmarks/step_profile.py --model stories260k --requests 256 --dtype float32 --no-profiler
         # the engine's host work at 256 sequences: a 260 K model, whose forward pass costs little (on a GPU
         # the host's work per step is what a decode step of a small model waits for)
 
-Two views of one engine (prefix caching off, 2 threads), after a warm-up:
+Two views of one engine (prefix caching off unless asked for, 2 threads), after a warm-up:
 1. The whole workload (../shared/bench/README.md's draw) run once with the engine's parts timed by
    wrappers: scheduling, building the step's inputs (lists, then tensors), the forward pass, the
    logits, sampling, and the bookkeeping after (scheduler and output processor). The rest of step()
@@ -196,12 +197,15 @@ def main() -> None:
                              "and with it (ROUNDS runs), alternated in this engine; prints the bracketed ratios")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch each step before reading the last one's tokens (the CUDA default)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="the prefix cache on (the workers' default): its bookkeeping counts as scheduling")
     args = parser.parse_args()
 
     make_folder, default_requests, vocab = MODELS[args.model]
     requests = workload(n=args.requests or default_requests, vocab=vocab)
     useful = sum(o for _, o in requests)
-    engine = LLMEngine(EngineConfig(model=str(make_folder()), dtype=args.dtype, enable_prefix_caching=False,
+    engine = LLMEngine(EngineConfig(model=str(make_folder()), dtype=args.dtype,
+                                    enable_prefix_caching=args.prefix_caching,
                                     num_threads=args.threads, prepack_weights=not args.no_prepack,
                                     max_num_seqs=max(128, len(requests)), async_scheduling=args.async_scheduling))
     runner = engine.model_runner
@@ -210,6 +214,7 @@ def main() -> None:
           f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
           f"greedy steps' tokens {'from the LM head (tiled_argmax)' if runner.greedy_head else 'from the logits'}, "
           f"{'async' if engine.async_scheduling else 'plain'} scheduling, "
+          f"prefix cache {'on' if args.prefix_caching else 'off'}, "
           f"{len(requests)} requests, {useful} useful tokens", flush=True)
     run_workload(engine, fresh_prompts(requests[:8], 10_000, vocab), "warm")
     if args.compare_greedy_head:
