@@ -1025,6 +1025,10 @@ struct LayerWeights {
   double scale;
 };
 
+// Whether a prepacked weight is laid out in tiles (4-d, or 5-d paired) for tiled_linear: neither oneDNN's
+// packed layout nor panels (3-d).
+inline bool in_tiles(const torch::Tensor& weight) { return !weight.is_mkldnn() && weight.dim() != 3; }
+
 // llama.py's `linear` for a prepacked weight: oneDNN's product for its packed layout, panel_linear for one
 // in panels, else tiled_linear.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
@@ -1036,8 +1040,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& weight, const
                                                std::optional<c10::string_view>)>();
     return onednn.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::optional<c10::string_view>(""));
   }
-  if (weight.dim() == 3) return panel_linear(x, weight, bias);
-  return tiled_linear(x, weight, bias);
+  if (in_tiles(weight)) return tiled_linear(x, weight, bias);
+  return panel_linear(x, weight, bias);
 }
 
 // silu(gate) * up of the gate/up product, as NativeKernels.silu_and_mul_of runs it: in one pass over a
@@ -1102,8 +1106,7 @@ constexpr int64_t kTiledLayerRowsAtOnce = 2048;
 // The rows decoder_layer takes through a layer at once with these weights.
 int64_t layer_rows_at_once(const LayerWeights& w) {
 #ifdef LLMQ_HAS_AMX
-  const bool tiled = !w.gate_up.is_mkldnn() && w.gate_up.dim() >= 4;  // panels are 3-d
-  if (tiled && llmq_tiled::on_matrix_units()) return kTiledLayerRowsAtOnce;
+  if (in_tiles(w.gate_up) && llmq_tiled::on_matrix_units()) return kTiledLayerRowsAtOnce;
 #else
   (void)w;
 #endif
