@@ -117,7 +117,7 @@ class ModelRunner:
                                 group_size=config.quantization_group_size)
         self.kernels = self._choose_kernels(config)
         self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.tiled_products is not None,
-                                              panels=self.kernels.panel_products is not None)
+                                              panels=self.kernels.panel_dtypes)
                               if self.device.type == "cpu" and config.prepack_weights else 0)
         self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
         self.num_paneled = sum(1 for p in self.model.parameters() if is_paneled(p))

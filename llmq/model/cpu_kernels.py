@@ -40,6 +40,7 @@ class TorchKernels:
     name = "torch"
     tiled_products: str | None = None  # bfloat16 products over weights in tiles: the fused kernels' (NativeKernels)
     panel_products: str | None = None  # products over float32 or bfloat16 weights in panels: the same
+    panel_dtypes: tuple[torch.dtype, ...] = ()  # the weights' dtypes that go in panels: the same
 
     @staticmethod
     def takes_prompt(head_dim: int, dtype: torch.dtype) -> bool:
@@ -103,9 +104,15 @@ class NativeKernels(TorchKernels):
         # matrix units) or "avx512-bf16" (its vector dot products); None where neither, and cpu_prepack.py
         # then packs bfloat16 weights for oneDNN instead of in tiles for tiled_linear.
         self.tiled_products = module.tiled_products() or None
-        # What multiplies float32 and bfloat16 weights laid out in panels here (csrc/panel_linear.h): "avx2"
-        # on an AVX2 CPU without AVX-512; None elsewhere, where they are packed for oneDNN (or in tiles).
+        # What multiplies weights laid out in panels here (csrc/panel_linear.h): "avx512" or "avx2" (their
+        # fused multiply-adds); None on a CPU with neither, where they are packed for oneDNN (or in tiles).
         self.panel_products = module.panel_products() or None
+        # The weights' dtypes that go in panels: float32, and on an AVX2 CPU without AVX-512 bfloat16 too
+        # (widened as it is read: that CPU has no bfloat16 arithmetic). With AVX-512, bfloat16 weights go
+        # in tiles where the CPU has AVX512-BF16, else to oneDNN, whose product they have not been
+        # measured against.
+        self.panel_dtypes = {"avx2": (torch.float32, torch.bfloat16), "avx512": (torch.float32,)}.get(
+            self.panel_products, ())
 
     def rms_norm(self, x, weight, eps):
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
@@ -309,8 +316,8 @@ def tiled_argmax(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) summed in float32 (float32, or bfloat16 rounded once), for W laid out in panels by
-    cpu_prepack, which does so only where native_kernels().panel_products: on an AVX2 CPU's fused
-    multiply-adds."""
+    cpu_prepack, which does so only where native_kernels().panel_products: on a CPU's AVX2 or AVX-512
+    fused multiply-adds."""
     return _loaded._ops.panel_linear(x, panels, bias)
 
 

@@ -9,11 +9,11 @@ and `linear` in llama.py runs the product its layout is for:
   in its vector dot products. It reads a decode step's weights at close to the memory's speed where
   oneDNN's product does not, and costs little per call. An MLP's gate/up weight is laid out paired
   (`tile_gate_up`), so that its product and SiLU run in one pass;
-- float32 and bfloat16 on an AVX2 CPU without AVX-512 (where the fused kernels report panel
-  products): panels (`panel_weight`), multiplied in float32 by csrc/panel_linear.h, which there runs
-  faster than oneDNN's float32 product at every row count (at decode sizes by reading the weight at
-  close to the memory's speed), and far faster than torch's bfloat16 product on a CPU without
-  bfloat16 arithmetic;
+- float32 on a CPU with AVX2 or AVX-512, and bfloat16 on an AVX2 CPU without AVX-512 (the dtypes
+  the fused kernels report as `panel_dtypes`): panels (`panel_weight`), multiplied in float32 by
+  csrc/panel_linear.h. On AVX2 that runs faster than oneDNN's float32 product at every row count,
+  and far faster than torch's bfloat16 product on a CPU without bfloat16 arithmetic; on AVX-512,
+  faster at decode sizes (up to 64 rows) and level at prefill's;
 - otherwise oneDNN's blocked layout (an opaque mkldnn tensor of the weight's shape), for its product.
 
 The packed weight replaces the module's dense one, as a Parameter of the same dtype and number of
@@ -118,11 +118,11 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def prepack_linears(model: nn.Module, tiles: bool = False, panels: bool = False) -> int:
+def prepack_linears(model: nn.Module, tiles: bool = False, panels: tuple[torch.dtype, ...] = ()) -> int:
     """Pack the weight of every dense Linear (and tensor-parallel LM head) of a CPU model, in place: in
     tiles where `tiles` (the fused kernels report tiled products) and the weight fits, in panels where
-    `panels` (they report panel products) and it fits, else for oneDNN. Returns how many were packed:
-    none where nothing here can multiply the model's dtype."""
+    its dtype is one of `panels` (the fused kernels' panel_dtypes) and it fits, else for oneDNN. Returns
+    how many were packed: none where nothing here can multiply the model's dtype."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, VocabParallelHead))
                and m.weight.device.type == "cpu" and not m.weight.is_mkldnn and not is_tiled(m.weight)
                and not is_paneled(m.weight)]
@@ -136,7 +136,7 @@ def prepack_linears(model: nn.Module, tiles: bool = False, panels: bool = False)
                 layout = tile_gate_up(weight)
             elif tiles and tiles_fit(weight):
                 layout = tile_weight(weight)
-            elif panels and panels_fit(weight):
+            elif weight.dtype in panels and panels_fit(weight):
                 layout = panel_weight(weight)
             elif prepack_supported(weight.dtype):
                 layout = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)

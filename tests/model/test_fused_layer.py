@@ -26,14 +26,14 @@ pytestmark = pytest.mark.skipif(cpu_kernels.native_kernels() is None, reason="th
 
 def _prepacked(dtype: str) -> bool:
     """Whether this CPU prepacks weights of `dtype` for the fused layer: in tiles (bfloat16 where
-    AVX512-BF16 is), in panels (on an AVX2 CPU without AVX-512), else in oneDNN's layout."""
+    AVX512-BF16 is), in panels (NativeKernels.panel_dtypes), else in oneDNN's layout."""
     kernels = cpu_kernels.native_kernels()
-    return ((dtype == "bfloat16" and kernels.tiled_products is not None) or kernels.panel_products is not None
-            or prepack_supported(getattr(torch, dtype)))
+    return ((dtype == "bfloat16" and kernels.tiled_products is not None)
+            or getattr(torch, dtype) in kernels.panel_dtypes or prepack_supported(getattr(torch, dtype)))
 
 
-# Both dtypes are in panels on an AVX2 CPU without AVX-512; elsewhere float32 is oneDNN's, and bfloat16 is
-# in tiles on a CPU with AVX512-BF16, else oneDNN's.
+# Both dtypes are in panels on an AVX2 CPU without AVX-512; with AVX-512 float32 is, and bfloat16 is in
+# tiles on a CPU with AVX512-BF16, else oneDNN's.
 DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not _prepacked(d), reason=f"no prepacked {d} products here"))
           for d in ("float32", "bfloat16")]
 

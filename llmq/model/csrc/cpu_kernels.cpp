@@ -1,7 +1,7 @@
 // Fused CPU kernels for the small operations of a step: one pass over memory where plain PyTorch makes
 // several, each with its own allocation and thread fork. And, where the CPU has AVX512-BF16, bfloat16
-// products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h); on an
-// AVX2 CPU without AVX-512, float32 products over float32 or bfloat16 weights laid out in panels
+// products over weights laid out in tiles, on its matrix units where it has AMX (tiled_linear.h); on a
+// CPU with AVX2 or AVX-512, float32 products over float32 or bfloat16 weights laid out in panels
 // (panel_linear.h). Built at first use by llmq/model/cpu_kernels.py, which also holds the plain-PyTorch
 // twin of every function here (the tests hold the two together).
 //
@@ -971,10 +971,12 @@ torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& ti
 
 // ---- float32 products over weights laid out in panels (float32 or bfloat16) --------------------
 
-// What runs panel_linear here: "avx2" (its fused multiply-adds), or "" where this build does not have it
-// (no AVX2, or AVX-512, where float32 weights stay oneDNN's: panel_linear.h says why).
+// What runs panel_linear here: "avx512" or "avx2" (their fused multiply-adds), or "" where this build does
+// not have it (no AVX2).
 std::string panel_products() {
-#ifdef LLMQ_HAS_PANEL_LINEAR
+#if defined(LLMQ_HAS_PANEL_LINEAR) && defined(__AVX512F__)
+  return "avx512";
+#elif defined(LLMQ_HAS_PANEL_LINEAR)
   return "avx2";
 #else
   return "";
@@ -986,7 +988,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   check_cpu(x, "x");
   return llmq_panels::linear(x, panels, bias);
 #else
-  TORCH_CHECK(false, "panel_linear: this build has no panel products (they are built for AVX2 CPUs without AVX-512)");
+  TORCH_CHECK(false, "panel_linear: this build has no panel products (they are built for CPUs with AVX2)");
 #endif
 }
 
@@ -1006,7 +1008,7 @@ torch::Tensor panel_silu_and_mul(const torch::Tensor& x, const torch::Tensor& pa
     }
   });
 #else
-  TORCH_CHECK(false, "panel_silu_and_mul: this build has no panel products (they are built for AVX2 CPUs without AVX-512)");
+  TORCH_CHECK(false, "panel_silu_and_mul: this build has no panel products (they are built for CPUs with AVX2)");
 #endif
 }
 
@@ -1178,7 +1180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
-  m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx2, or none");
+  m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx512, avx2, or none");
   m.def("panel_linear", &panel_linear, "x @ W.T (+ bias), float32 sums, W (float32 or bfloat16) laid out in panels",
         py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   m.def("panel_silu_and_mul", &panel_silu_and_mul,

@@ -1,23 +1,25 @@
 // float32 matrix products for weights laid out in panels once at load (llmq/model/cpu_prepack.py's
-// panel_weight), on AVX2's fused multiply-adds, included by cpu_kernels.cpp: float32 weights, or bfloat16
-// ones widened as they are read (an AVX2 CPU has no bfloat16 arithmetic, and torch's bfloat16 product
-// there is far slower than its float32 one; the weight read from memory is still half the bytes).
+// panel_weight), on the fused multiply-adds of AVX2 or AVX-512, included by cpu_kernels.cpp: float32
+// weights, or bfloat16 ones widened as they are read (a CPU without AVX512-BF16 has no bfloat16 arithmetic,
+// and torch's bfloat16 product there is far slower than its float32 one; the weight read from memory is
+// still half the bytes). Where the CPU has AVX512-BF16, bfloat16 weights go in tiles instead
+// (tiled_linear.h), so on such a CPU these take the float32 ones.
 //
-// Why a kernel of our own: a decode step's products have few rows, so what they should cost is reading
-// the weight once from memory. oneDNN's float32 product over its prepacked weight reads it well below the
-// memory's speed at those shapes on an AVX2 CPU, and was slower than this one at every row count measured
-// there, prefill's included (benchmarks/product_shapes.py prints both). Here each thread streams its own
-// contiguous run of panels, every weight element is loaded once per group of rows, and a call costs little
-// more than its panels.
+// Why a kernel of our own: a decode step's products have few rows, and oneDNN's float32 product over its
+// prepacked weight runs them well below the arithmetic's speed: on an AVX2 CPU it was slower than this one
+// at every row count measured, prefill's included; on an AVX-512 one, at up to 64 rows, and level at 128
+// to 256 (benchmarks/product_shapes.py prints both). Here each thread streams its own contiguous run of
+// panels, every weight element is loaded once per group of rows, and a call costs little more than its
+// panels.
 //
 // Layout: weight [N, K] -> panels [N / 16, K, 16]: panel p holds output columns 16p .. 16p + 15, one row of
-// 16 per input. A group of kRows input rows times one panel keeps its kRows x 16 sums in registers (two
-// 8-lane vectors a row) while the panel streams past once.
+// 16 per input. A block of kRows input rows times one panel keeps its kRows x 16 sums in registers (a
+// vector a row on AVX-512, two 8-lane vectors on AVX2) while the panel streams past once.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// Built for AVX2 CPUs without AVX-512 only: with AVX-512, oneDNN's float32 products use the wider vectors
-// and this kernel (8-lane) has not been measured against them.
+#if defined(__AVX2__) && defined(__FMA__)
+// On AVX-512 a panel row is one 16-lane vector (panel_rows below, in its AVX-512 form), and the input rows
+// are read packed (inputs_for_panels); the blocking and the threads' shares are the same on both.
 #define LLMQ_HAS_PANEL_LINEAR 1
 #include <immintrin.h>
 
@@ -32,17 +34,27 @@
 namespace llmq_panels {
 
 constexpr int64_t kPanelColumns = 16;
+#if defined(__AVX512F__)
+// Rows whose sums stay in registers: a vector a row, 12 of AVX-512's 32; each input is broadcast from
+// memory by its multiply-add.
+constexpr int kRows = 12;
+// A thread's panels are taken in runs of at most this many bytes, kept in its L2 while every group of
+// rows passes over them (the input rows of a group come from L1/L2 as well).
+constexpr int64_t kRunBytes = 1024 * 1024;
+// A float32 product takes the inputs (K) this many at a time: a slice of a panel (16 KB) that every block
+// of rows reads from L1 beside the block's inputs for it (12 KB). Unsliced, a panel of large K (the 1.1 B
+// model's down projection: 5,632 inputs, 352 KB) does not fit in L2 beside the next one being fetched,
+// and each group of rows would read it from memory again.
+constexpr int64_t kSliceInputs = 256;
+#else
 // Rows whose sums stay in registers: 6 rows x 2 vectors = 12 of AVX2's 16, the other 4 for the panel's two
 // vectors and the broadcast input.
 constexpr int kRows = 6;
-// A thread's panels are taken in runs of at most this many bytes, kept in its L2 while every group of
-// rows passes over them (the input rows of a group come from L1/L2 as well).
+// As above, for the smaller L2 of the AVX2 CPU these were measured on.
 constexpr int64_t kRunBytes = 192 * 1024;
-// A float32 product takes the inputs (K) this many at a time: a slice of a panel (32 KB) that every block
-// of rows of a group reads while it is in L1 and L2, beside the group's inputs for it. Unsliced, a panel
-// of large K (the 1.1 B model's down projection: 5,632 inputs, 352 KB) does not fit in L2 beside the next
-// one being fetched, and each group of rows read it from memory again.
+// As above: slices of 32 KB.
 constexpr int64_t kSliceInputs = 512;
+#endif
 constexpr int64_t kCacheLine = 64;
 
 // Eight of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
@@ -52,6 +64,75 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+#if defined(__AVX512F__)
+// Sixteen of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// A row's 16 outputs of a panel; bfloat16 ones rounded to nearest, ties to even, NaN to the quiet NaN, as
+// c10::BFloat16 rounds.
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store16(uint16_t* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+}
+
+// Rows (at most kRows) rows of inputs packed step by step (`packed`: step i's Rows inputs at i * Rows, as
+// inputs_for_panels lays them out) times one panel [K, 16] of W (float32 or bfloat16) -> out's 16 columns of
+// those rows (row stride ldo, in O), plus bias (16 values) where given; added to what out holds where
+// `accumulate` (a float32 output: an earlier slice's sums).
+// Where `ahead` is given, the pass also asks for ahead_lines cache lines from there (part of the next
+// panel) as it goes, evenly spaced over its K steps, so that they come from memory while this panel is
+// multiplied.
+template <int Rows, typename W, typename O>
+inline void panel_rows(const float* packed, const W* panel, int64_t k, const float* bias, O* out, int64_t ldo,
+                       const char* ahead, int64_t ahead_lines, bool accumulate) {
+  // Named sums, not an array: GCC keeps an array of vectors in memory and stores it on every step.
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0,
+         c9 = c0, c10 = c0, c11 = c0;
+  static_assert(Rows <= 12, "panel_rows: at most 12 rows on AVX-512");
+  if constexpr (std::is_same_v<O, float>) {
+    if (accumulate) {
+#define LLMQ_PANEL_SUMS(R) \
+  if constexpr (Rows > R) c##R = _mm512_loadu_ps(out + R * ldo);
+      LLMQ_PANEL_SUMS(0) LLMQ_PANEL_SUMS(1) LLMQ_PANEL_SUMS(2) LLMQ_PANEL_SUMS(3)
+      LLMQ_PANEL_SUMS(4) LLMQ_PANEL_SUMS(5) LLMQ_PANEL_SUMS(6) LLMQ_PANEL_SUMS(7)
+      LLMQ_PANEL_SUMS(8) LLMQ_PANEL_SUMS(9) LLMQ_PANEL_SUMS(10) LLMQ_PANEL_SUMS(11)
+#undef LLMQ_PANEL_SUMS
+    }
+  }
+  if (ahead == nullptr) ahead_lines = 0;
+  // The K steps in stretches of fetch_every, each after one line of `ahead`, so that the steps themselves
+  // run without a branch.
+  const int64_t fetch_every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : k;
+  const W* w = panel;
+  const float* x = packed;
+  int64_t fetched = 0;
+  for (int64_t start = 0; start < k; start += fetch_every) {
+    if (fetched < ahead_lines) _mm_prefetch(ahead + fetched++ * kCacheLine, _MM_HINT_T0);
+    const W* stretch_end = panel + std::min(k, start + fetch_every) * kPanelColumns;
+    for (; w != stretch_end; w += kPanelColumns, x += Rows) {
+      const __m512 row = load16(w);
+#define LLMQ_PANEL_ROW(R) \
+  if constexpr (Rows > R) c##R = _mm512_fmadd_ps(_mm512_set1_ps(x[R]), row, c##R);
+      LLMQ_PANEL_ROW(0) LLMQ_PANEL_ROW(1) LLMQ_PANEL_ROW(2) LLMQ_PANEL_ROW(3)
+      LLMQ_PANEL_ROW(4) LLMQ_PANEL_ROW(5) LLMQ_PANEL_ROW(6) LLMQ_PANEL_ROW(7)
+      LLMQ_PANEL_ROW(8) LLMQ_PANEL_ROW(9) LLMQ_PANEL_ROW(10) LLMQ_PANEL_ROW(11)
+#undef LLMQ_PANEL_ROW
+    }
+  }
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 sums[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+  for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm512_add_ps(sums[r], b));
+}
+
+#else
 // Eight float32 sums rounded to bfloat16 bits in the low halves of their lanes: to nearest, ties to even,
 // NaN to the quiet NaN, as c10::BFloat16 rounds.
 inline __m256i bfloat16_bits(__m256 v) {
@@ -131,6 +212,7 @@ inline void panel_rows(const float* a, int64_t lda, const W* panel, int64_t k, c
   const __m256 sums[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm256_add_ps(sums[r][0], b0), _mm256_add_ps(sums[r][1], b1));
 }
+#endif  // AVX-512, else AVX2
 
 // The inputs a product of output O takes at a time (kSliceInputs): a float32 output holds a slice's sums
 // until the next adds to them; a bfloat16 one, rounded, cannot, and takes all of K at once.
@@ -139,49 +221,113 @@ inline int64_t slice_inputs(int64_t k) {
   return std::is_same_v<O, float> ? std::min(k, kSliceInputs) : k;
 }
 
-// Rows of a times one panel into out, a slice of K at a time (slice_inputs) and in each slice `rows` of
-// them in blocks of at most kRows, as even as they divide: 26 rows go as 6+5+5+5+5, not 6+6+6+6+2. A block
-// of few rows has too few sums for the multiply-adds in flight to hide each one's latency (its chain of
-// sums waits on itself), so it costs nearly what a full block does; blocks of 5 cost no more per row than
-// blocks of 6. The passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an equal
-// share. Spread over every pass, not asked for all at once in the first, the requests stay within what
-// the core can have in flight to memory (more are dropped or stall it), and the memory's transfers
-// overlap all of the panel's arithmetic (benchmarks/product_shapes.py measures products whose weights
-// come from memory).
+// How a pass's rows go into blocks of at most kRows, as even as they divide: 26 rows go as 6+5+5+5+5 (at
+// AVX2's 6), not 6+6+6+6+2. The first `extra` blocks hold base + 1 rows, the others base.
+struct RowBlocks {
+  int64_t count, base, extra;
+  explicit RowBlocks(int64_t rows) : count((rows + kRows - 1) / kRows), base(rows / count), extra(rows % count) {}
+  int64_t rows_of(int64_t block) const { return base + (block < extra ? 1 : 0); }
+  int64_t first_row(int64_t block) const { return block * base + std::min(block, extra); }
+  int64_t block_of(int64_t row) const {
+    const int64_t in_longer = extra * (base + 1);
+    return row < in_longer ? row / (base + 1) : extra + (row - in_longer) / base;
+  }
+};
+
+// f(std::integral_constant<int, rows>) for a count of rows from 1 to Max: panel_rows takes its rows as a
+// constant, so that its loop holds exactly their multiply-adds.
+template <int Max, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_rows<Max - 1>(rows, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// Rows of a (as inputs_for_panels gives them) times one panel into out, a slice of K at a time
+// (slice_inputs) and in each slice `rows` of them in blocks (RowBlocks). A block of few rows has too few
+// sums for the multiply-adds in flight to hide each one's latency (its chain of sums waits on itself), so
+// it costs nearly what a full block does (on AVX2, blocks of 5 cost no more per row than blocks of 6).
+// The passes also fetch the ahead_bytes at `ahead` (nullptr: none), each pass an equal share. Spread over
+// every pass, not asked for all at once in the first, the requests stay within what the core can have in
+// flight to memory (more are dropped or stall it), and the memory's transfers overlap all of the panel's
+// arithmetic (benchmarks/product_shapes.py measures products whose weights come from memory).
 template <typename W, typename O>
 inline void panel_times_rows(const float* a, int64_t rows, int64_t k, const W* panel, const float* bias, O* out,
                              int64_t ldo, const char* ahead, int64_t ahead_bytes) {
   const int64_t slice = slice_inputs<O>(k), slices = (k + slice - 1) / slice;
   const int64_t lines = ahead != nullptr ? (ahead_bytes + kCacheLine - 1) / kCacheLine : 0;
-  const int64_t blocks = (rows + kRows - 1) / kRows;
-  const int64_t lines_per_pass = (lines + blocks * slices - 1) / (blocks * slices);
+  const RowBlocks blocks(rows);
+  const int64_t lines_per_pass = (lines + blocks.count * slices - 1) / (blocks.count * slices);
   for (int64_t first = 0; first < k; first += slice) {
     const int64_t inputs = std::min(slice, k - first);
     const W* panel_slice = panel + first * kPanelColumns;
     const float* slice_bias = first + inputs == k ? bias : nullptr;  // added once, with the last slice
-    for (int64_t block = 0, r = 0; block < blocks; ++block) {
-      const int64_t block_rows = rows / blocks + (block < rows % blocks ? 1 : 0);
-      const float* rows_a = a + r * k + first;
+    for (int64_t block = 0; block < blocks.count; ++block) {
+      const int64_t r = blocks.first_row(block);
       O* rows_out = out + r * ldo;
-      r += block_rows;
-      const int64_t pass = first / slice * blocks + block;
+      const int64_t pass = first / slice * blocks.count + block;
       const int64_t first_line = std::min(lines, pass * lines_per_pass);
       const int64_t fetch_lines = std::min(lines_per_pass, lines - first_line);
       const char* fetch = fetch_lines > 0 ? ahead + first_line * kCacheLine : nullptr;
-#define LLMQ_PANEL_ROWS(R)                                                                                   \
-  panel_rows<R>(rows_a, k, panel_slice, inputs, slice_bias, rows_out, ldo, fetch, fetch_lines, first > 0); \
-  break;
-      switch (block_rows) {
-        case 1: LLMQ_PANEL_ROWS(1)
-        case 2: LLMQ_PANEL_ROWS(2)
-        case 3: LLMQ_PANEL_ROWS(3)
-        case 4: LLMQ_PANEL_ROWS(4)
-        case 5: LLMQ_PANEL_ROWS(5)
-        default: LLMQ_PANEL_ROWS(6)
-      }
-#undef LLMQ_PANEL_ROWS
+      with_rows<kRows>(blocks.rows_of(block), [&](auto rows_constant) {
+        constexpr int kBlockRows = decltype(rows_constant)::value;
+#if defined(__AVX512F__)
+        panel_rows<kBlockRows>(a + first * rows + r * inputs, panel_slice, inputs, slice_bias, rows_out, ldo, fetch,
+                               fetch_lines, first > 0);  // inputs_for_panels' layout
+#else
+        panel_rows<kBlockRows>(a + r * k + first, k, panel_slice, inputs, slice_bias, rows_out, ldo, fetch,
+                               fetch_lines, first > 0);
+#endif
+      });
     }
   }
+}
+
+// The input rows as panel_times_rows reads them for a product of m rows, k inputs, rows taken `group` at
+// a time and inputs `slice` at a time: on AVX2 the rows as they are (`a`); on AVX-512 packed into a buffer
+// of the calling thread's, where each group of rows takes the place its rows had (from row0 * k), holding
+// its slices in order, each slice its blocks (RowBlocks) in order, and each block [inputs][block rows]: a
+// step's inputs side by side. A block then reads its inputs from one stream instead of one per row; with
+// a stream a row, the products ran at about half the speed of their multiply-adds.
+inline const float* inputs_for_panels(const float* a, int64_t m, int64_t k, int64_t group, int64_t slice) {
+#if defined(__AVX512F__)
+  // Every block of every group, as (the group's first row, its rows, the block), packed in parallel.
+  struct Block {
+    int64_t row0, rows, block;
+  };
+  std::vector<Block> blocks;
+  for (int64_t row0 = 0; row0 < m; row0 += group) {
+    const int64_t rows = std::min(group, m - row0);
+    for (int64_t block = 0; block < RowBlocks(rows).count; ++block) blocks.push_back({row0, rows, block});
+  }
+  // Kept by the thread for its next product, grown where one needs more: a fresh buffer each call cost
+  // more than the packing itself (its pages faulted in, then zeroed).
+  thread_local std::vector<float> packed_inputs;
+  if (static_cast<int64_t>(packed_inputs.size()) < m * k) packed_inputs.resize(m * k);
+  float* packed = packed_inputs.data();
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const auto [row0, rows, block] = blocks[b];
+      const RowBlocks division(rows);
+      const int64_t r = division.first_row(block), block_rows = division.rows_of(block);
+      const float* from = a + (row0 + r) * k;
+      for (int64_t first = 0; first < k; first += slice) {
+        const int64_t inputs = std::min(slice, k - first);
+        float* to = packed + row0 * k + first * rows + r * inputs;
+        with_rows<kRows>(block_rows, [&](auto rows_constant) {
+          constexpr int kBlockRows = decltype(rows_constant)::value;
+          for (int64_t i = 0; i < inputs; ++i)
+            for (int j = 0; j < kBlockRows; ++j) to[i * kBlockRows + j] = from[j * k + first + i];
+        });
+      }
+    }
+  });
+  return packed;
+#else
+  (void)m, (void)k, (void)group, (void)slice;
+  return a;
+#endif
 }
 
 // The rows that pass over a run of panels together: as many as keep their inputs for a slice of
@@ -259,10 +405,11 @@ template <typename W, typename O>
 void multiply(const float* a, int64_t m, int64_t k, const W* panels, int64_t num_panels, const float* bias, O* out) {
   const int64_t n = num_panels * kPanelColumns, panel_elements = k * kPanelColumns;
   const bool fetch_ahead = fetches_ahead<W>(m);
-  over_units(m, row_group(slice_inputs<O>(k)), num_panels, panel_elements * static_cast<int64_t>(sizeof(W)),
-             widened_floats<W>(m, k),
+  const int64_t group = row_group(slice_inputs<O>(k));
+  const float* inputs = inputs_for_panels(a, m, k, group, slice_inputs<O>(k));
+  over_units(m, group, num_panels, panel_elements * static_cast<int64_t>(sizeof(W)), widened_floats<W>(m, k),
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* widened) {
-               panel_block(a + row0 * k, rows, k, panels + p * panel_elements,
+               panel_block(inputs + row0 * k, rows, k, panels + p * panel_elements,
                            bias != nullptr ? bias + p * kPanelColumns : nullptr, out + row0 * n + p * kPanelColumns, n,
                            fetch_ahead && !last, widened);
              });
@@ -281,12 +428,13 @@ void gated_multiply(const float* a, int64_t m, int64_t k, const W* panels, int64
   constexpr int64_t kBlockColumns = 2 * kPanelColumns;  // a scratch row: 16 gate, then 16 up
   const int64_t block_floats = (group * kBlockColumns * static_cast<int64_t>(sizeof(O)) + 3) / 4;
   const bool fetch_ahead = fetches_ahead<W>(m);
+  const float* inputs = inputs_for_panels(a, m, k, group, slice_inputs<O>(k));
   over_units(m, group, pairs, 2 * panel_elements * static_cast<int64_t>(sizeof(W)), widened + block_floats,
              [&](int64_t p, int64_t row0, int64_t rows, bool last, float* scratch) {
                O* block = reinterpret_cast<O*>(scratch + widened);
                for (int half = 0; half < 2; ++half) {  // gate, then up
                  const int64_t index = half * pairs + p;
-                 panel_block(a + row0 * k, rows, k, panels + index * panel_elements,
+                 panel_block(inputs + row0 * k, rows, k, panels + index * panel_elements,
                              bias != nullptr ? bias + index * kPanelColumns : nullptr, block + half * kPanelColumns,
                              kBlockColumns, fetch_ahead && !last, scratch);
                }

@@ -1,6 +1,7 @@
 // Causal attention for one prompt chunk over its whole context, as small matrix products on the panel
-// products' multiply-adds (panel_linear.h), included by cpu_kernels.cpp where those are built (AVX2 CPUs
-// without AVX-512).
+// products' multiply-adds (panel_linear.h), included by cpu_kernels.cpp, built for AVX2 CPUs without
+// AVX-512 (on AVX-512 the panel products read their inputs packed, and this kernel has not been measured
+// against the paged kernel and SDPA there).
 //
 // Why: the paged kernel (cpu_kernels.cpp's attend) takes each of a chunk's tokens as a decode: every
 // multiply-add of a score loads both its key and its query, so its long chunks run at a fraction of the
@@ -11,7 +12,7 @@
 // a product's rows. The softmax is exact: a tile's every score first, then its weighted sum of values.
 #pragma once
 
-#ifdef LLMQ_HAS_PANEL_LINEAR
+#if defined(LLMQ_HAS_PANEL_LINEAR) && !defined(__AVX512F__)
 #define LLMQ_HAS_PROMPT_ATTENTION 1
 
 #include <ATen/Parallel.h>
