@@ -6,10 +6,11 @@
 
 For each row count and each of the model's products (qkv, o, gate/up, down, the LM head), the best of a
 few calls of: F.linear over the dense weight (torch's own product), oneDNN's over its prepacked weight,
-and, where the fused CPU kernels have them here, panel_linear (float32 and bfloat16 on an AVX2 CPU
-without AVX-512) and tiled_linear (bfloat16 on a CPU with AVX512-BF16). For the LM head in tiles, also
-what a greedy step takes from it: the product then argmax_rows over it ("tiles + argmax"), against
-tiled_argmax, which keeps each row's argmax without storing the logits. Each layer's product runs over
+and, where the fused CPU kernels have them here, panel_linear (float32 on AVX2 or AVX-512, bfloat16 on an
+AVX2 CPU without AVX-512: NativeKernels.panel_dtypes) and tiled_linear (bfloat16 on a CPU with
+AVX512-BF16). For the LM head in tiles or panels, also what a greedy step takes from it: the product then
+argmax_rows over it ("tiles + argmax", "panels + argmax"), against tiled_argmax or panel_argmax, which
+keep each row's argmax without storing the logits. Each layer's product runs over
 8 copies of its weight, as a step's 8 layers do, so that the weights are read from memory, not from the
 caches. Prints microseconds per product and GFLOP/s; a layout this CPU lacks is left out.
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bigger_models import MODEL_1B_CONFIG  # noqa: E402
 from benchmarks.engine_throughput import BENCH_CONFIG  # noqa: E402
-from llmq.model.cpu_kernels import fast_argmax, native_kernels, tiled_argmax  # noqa: E402
+from llmq.model.cpu_kernels import fast_argmax, native_kernels, panel_argmax, tiled_argmax  # noqa: E402
 from llmq.model.cpu_prepack import (ROWS_HINT, panel_weight, panels_fit, prepack_supported, tile_weight,  # noqa: E402
                                     tiles_fit)
 from llmq.model.llama import linear  # noqa: E402
@@ -56,16 +57,19 @@ def layouts(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     if prepack_supported(weight.dtype):
         out["oneDNN"] = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
     kernels = native_kernels()
-    if kernels is not None and kernels.panel_products and panels_fit(weight):
+    if kernels is not None and weight.dtype in kernels.panel_dtypes and panels_fit(weight):
         out["panels"] = panel_weight(weight)
     if kernels is not None and kernels.tiled_products and tiles_fit(weight):
         out["tiles"] = tile_weight(weight)
     return out
 
 
-# What a greedy step takes from an LM head in tiles, by column name: each row's argmax, two ways.
-GREEDY_HEADS = {"tiles + argmax": lambda x, w, bias: fast_argmax(linear(x, w, bias)),
-                "tiled_argmax": lambda x, w, bias: tiled_argmax(x, w)}
+# What a greedy step takes from an LM head in tiles or panels, by column name: (the layout, each row's
+# argmax taken from it), two ways each.
+GREEDY_HEADS = {"tiles + argmax": ("tiles", lambda x, w, bias: fast_argmax(linear(x, w, bias))),
+                "tiled_argmax": ("tiles", lambda x, w, bias: tiled_argmax(x, w)),
+                "panels + argmax": ("panels", lambda x, w, bias: fast_argmax(linear(x, w, bias))),
+                "panel_argmax": ("panels", lambda x, w, bias: panel_argmax(x, w))}
 
 
 def best_seconds(x: torch.Tensor, weights: list[torch.Tensor], repeats: int, product=linear) -> float:
@@ -99,8 +103,8 @@ def main() -> None:
         dense = [torch.randn(n, k, generator=generator).to(dtype) for _ in range(copies)]
         packed = [layouts(w) for w in dense]
         names = list(packed[0])
-        if name == "lm_head" and "tiles" in names:
-            names += list(GREEDY_HEADS)
+        if name == "lm_head":
+            names += [head for head, (layout, _) in GREEDY_HEADS.items() if layout in names]
         print(f"\n### {name}: [rows x {k}] x [{k} x {n}]\n| rows | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
         for rows in args.rows:
@@ -110,9 +114,9 @@ def main() -> None:
                 if layout == "F.linear" and not torch_multiplies_natively(dtype):
                     cells.append("(emulated: skipped)")
                     continue
-                weights = [p[layout if layout not in GREEDY_HEADS else "tiles"] for p in packed]
-                seconds = best_seconds(x, weights, 2 if rows > 256 else args.repeats,
-                                       GREEDY_HEADS.get(layout, linear))
+                stored, product = GREEDY_HEADS.get(layout, (layout, linear))
+                weights = [p[stored] for p in packed]
+                seconds = best_seconds(x, weights, 2 if rows > 256 else args.repeats, product)
                 cells.append(f"{seconds * 1e6:,.0f} ({2 * rows * k * n / seconds / 1e9:.0f})")
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 

@@ -62,7 +62,7 @@ GROUPS = [
      ("llmq::decoder_layer",)),  # and llmq::decoder_layers, a step's layers in one loop of those calls
     ("matrix products", ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::_weight_int",
                          "aten::_convert_weight", "llmq::panel_linear", "llmq::tiled_linear", "llmq::silu_and_mul_of",
-                         "llmq::tiled_argmax")),
+                         "llmq::tiled_argmax", "llmq::panel_argmax")),
     ("attention: gathers", ("aten::index_select",)),
     ("attention: arithmetic", ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::masked_fill",
                                "aten::scaled_dot_product", "aten::_scaled_dot_product", "llmq::paged_decode_attention")),
@@ -129,7 +129,7 @@ def label_kernel_calls(engine: LLMEngine) -> None:
         if hasattr(kernels, name):
             _label(kernels, name)
     for module, name in ((llama, "panel_linear"), (llama, "tiled_linear"), (llama, "tiled_argmax"),
-                         (sampler, "fast_argmax")):
+                         (llama, "panel_argmax"), (sampler, "fast_argmax")):
         _label(module, name)
 
 
@@ -142,12 +142,13 @@ def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
 
 def compare_greedy_head(engine: LLMEngine, requests, vocab: int, rounds: int) -> None:
     """The workload with greedy steps' logits stored and read back by argmax_rows, and with their tokens
-    from the LM head's tiled_argmax, alternated (without, with, without, ...) so that each run with it
-    lies between two without it (benchmarks/bracketed.py: the machine's drift between them cancels)."""
+    from the LM head's argmax (tiled_argmax or panel_argmax), alternated (without, with, without, ...) so
+    that each run with it lies between two without it (benchmarks/bracketed.py: the machine's drift
+    between them cancels)."""
     runner = engine.model_runner
     if not runner.greedy_head:
         raise SystemExit("no greedy head here: it takes an LM head in tiles (bfloat16 on a CPU with AVX512-BF16) "
-                         "on one rank")
+                         "or in panels (float32 on AVX2 or AVX-512), on one rank")
     useful = sum(o for _, o in requests)
     without, with_head = [], []
     for k in range(2 * rounds + 1):
@@ -191,7 +192,7 @@ def main() -> None:
     parser.add_argument("--no-prepack", action="store_true", help="leave the weights for F.linear (MKL)")
     parser.add_argument("--no-profiler", action="store_true", help="view 1 only")
     parser.add_argument("--no-greedy-head", action="store_true",
-                        help="greedy steps store their logits and take argmax_rows (not the LM head's tiled_argmax)")
+                        help="greedy steps store their logits and take argmax_rows (not the LM head's own argmax)")
     parser.add_argument("--compare-greedy-head", type=int, default=0, metavar="ROUNDS",
                         help="instead of the profile: the workload without the LM head's argmax (ROUNDS + 1 runs) "
                              "and with it (ROUNDS runs), alternated in this engine; prints the bracketed ratios")
@@ -212,7 +213,7 @@ def main() -> None:
     runner.greedy_head = runner.greedy_head and not args.no_greedy_head
     print(f"{args.model}, {runner.dtype_choice.name} ({runner.dtype_choice.reason}), "
           f"{runner.num_prepacked} weight matrices prepacked, {torch.get_num_threads()} threads, "
-          f"greedy steps' tokens {'from the LM head (tiled_argmax)' if runner.greedy_head else 'from the logits'}, "
+          f"greedy steps' tokens {'from the LM head' if runner.greedy_head else 'from the logits'}, "
           f"{'async' if engine.async_scheduling else 'plain'} scheduling, "
           f"prefix cache {'on' if args.prefix_caching else 'off'}, "
           f"{len(requests)} requests, {useful} useful tokens", flush=True)

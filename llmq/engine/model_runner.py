@@ -161,8 +161,9 @@ class ModelRunner:
                  self.attention_backend, torch.get_num_threads())
         self.decode_graphs = (self._capture_decode_graphs()
                               if self.device.type == "cuda" and config.cuda_graphs and world == 1 else None)
-        # A greedy step's tokens straight from the LM head (cpu_kernels.tiled_argmax), its logits never
-        # stored: one rank, whose steps are one micro-batch, and no CUDA graphs, which return logits.
+        # A greedy step's tokens straight from the LM head (cpu_kernels.tiled_argmax, panel_argmax), its
+        # logits never stored: one rank, whose steps are one micro-batch, and no CUDA graphs, which return
+        # logits.
         self.greedy_head = world == 1 and self.decode_graphs is None and self.model.has_greedy_head
 
     def make_decode_graphs(self, capture: bool) -> DecodeGraphs:

@@ -314,6 +314,12 @@ def tiled_argmax(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     return _loaded._ops.tiled_argmax(x, tiles)
 
 
+def panel_argmax(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equals) of x @ W.T, for W laid out in panels: what argmax_rows of
+    panel_linear(x, panels, None) gives, without storing the product."""
+    return _loaded._ops.panel_argmax(x, panels)
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) summed in float32 (float32, or bfloat16 rounded once), for W laid out in panels by
     cpu_prepack, which does so only where native_kernels().panel_products: on a CPU's AVX2 or AVX-512

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmq.model.attention import AttentionMetadata, paged_attention
-from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paired, is_paneled, is_tiled, panel_linear,
-                                    tiled_argmax, tiled_linear)
+from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paired, is_paneled, is_tiled, panel_argmax,
+                                    panel_linear, tiled_argmax, tiled_linear)
 from llmq.model.model_config import ModelConfig
 from llmq.model.rope import rope_cache
 from llmq.model.row_buckets import padded_rows
@@ -200,14 +200,17 @@ class LlamaForCausalLM(nn.Module):
     @property
     def has_greedy_head(self) -> bool:
         """Whether greedy_tokens can take the LM head's argmax without its logits: where the head is laid
-        out in tiles, with no bias."""
+        out in tiles or in panels, with no bias."""
         weight = self.lm_head.weight
-        return is_tiled(weight) and not is_paired(weight) and self.lm_head.bias is None
+        return (is_tiled(weight) and not is_paired(weight) or is_paneled(weight)) and self.lm_head.bias is None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> [S]: each row's argmax over the logits compute_logits would give (the
-        first of equals), which are never stored, where has_greedy_head (cpu_kernels.tiled_argmax)."""
-        return tiled_argmax(self._head_input(hidden), self.lm_head.weight)[:hidden.shape[0]]
+        first of equals), which are never stored, where has_greedy_head (cpu_kernels.tiled_argmax and
+        panel_argmax)."""
+        weight = self.lm_head.weight
+        argmax = panel_argmax if is_paneled(weight) else tiled_argmax
+        return argmax(self._head_input(hidden), weight)[:hidden.shape[0]]
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head multiplies: the final norm of hidden, its rows padded as the step's were."""

@@ -85,6 +85,7 @@ def test_an_engine_stepping_through_the_graph_path_generates_the_same_tokens(sto
                                         max_num_seqs=8, async_scheduling=async_scheduling and through_graphs))
         if through_graphs:
             engine.model_runner.decode_graphs = engine.model_runner.make_decode_graphs(capture=False)
+            engine.model_runner.greedy_head = False  # as an engine with graphs has it: they return logits
         lengths = [5, 9, 14, 3, 11]
         for i, n in enumerate(lengths):
             engine.add_request(f"r{i}", ["Once upon a time", "The cat sat"][i % 2],

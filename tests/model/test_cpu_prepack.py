@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from llmq.engine.llm import LLM
 from llmq.model.checkpoint import byte_level_tokenizer_json, write_llama_checkpoint
-from llmq.model.cpu_kernels import TORCH_KERNELS, is_paired, is_paneled, is_tiled, native_kernels, tiled_argmax
+from llmq.model.cpu_kernels import (TORCH_KERNELS, fast_argmax, is_paired, is_paneled, is_tiled, native_kernels,
+                                    panel_argmax, tiled_argmax)
 from llmq.model.cpu_prepack import (build_kernels, packed_for_onednn, panel_weight, panels_fit, prepack_linears,
                                     prepack_supported, tile_gate_up, tile_weight, tiles_fit, unpanel_weight,
                                     untile_weight)
@@ -476,6 +477,33 @@ def test_float32_weights_that_fit_go_in_panels_the_rest_to_onednn(stories_dir):
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 13, 64, 300])
+def test_the_argmax_of_a_panel_product_is_that_of_the_logits_it_would_store(dtype, rows):
+    """panel_argmax: each row's argmax over what panel_linear stores, the first of equal columns, without
+    storing it. Every even row is led by column 40, which columns 72 (the same lane of a later panel), 150
+    (another lane) and 200 (a later panel's same lane, among the second thread's columns) tie with
+    exactly; the odd rows are random; column 100's weights are NaN, and NaN never wins (argmax_rows's
+    rule, where torch.argmax would pick it)."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(208, 96, generator=generator)
+    lead = torch.randn(96, generator=generator)
+    weight[40] = weight[72] = weight[150] = weight[200] = 2 * lead
+    weight[100] = float("nan")
+    x = torch.randn(rows, 96, generator=generator)
+    x[::2] += 3 * lead
+    panels = panel_weight(weight.to(dtype))
+    x = x.to(dtype)
+    stored = linear(x, panels, None)
+    expected = fast_argmax(stored)  # argmax_rows: the first of equals, NaN never winning
+    assert (expected[::2] == 40).all() and not (expected == 100).any()
+    assert torch.equal(stored[:, torch.arange(208) != 100].float().argmax(dim=-1),
+                       expected - (expected > 100).long())  # torch's, with the NaN column left out
+    assert torch.equal(panel_argmax(x, panels), expected)
+    assert panel_argmax(x[:0], panels).shape == (0,)
+
+
+@needs_panels
 def test_an_engine_with_every_weight_in_panels_pads_no_rows(tmp_path):
     config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
@@ -489,5 +517,6 @@ def test_an_engine_with_every_weight_in_panels_pads_no_rows(tmp_path):
         llm = LLM(str(folder), dtype="float32", prepack_weights=prepack, enable_prefix_caching=False)
         runner = llm.engine.model_runner
         assert runner.num_paneled == (2 * 4 + 1 if prepack else 0) and not runner.model.pad_rows
+        assert runner.greedy_head == prepack  # greedy steps' tokens from the LM head's panel_argmax
         runs[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False] and all(len(tokens) == 10 for tokens in runs[True])

@@ -992,6 +992,17 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 #endif
 }
 
+// Each row's argmax (the first of equals) of x @ W.T for W in panels: argmax_rows of panel_linear(x, panels,
+// None), without storing the product.
+torch::Tensor panel_argmax(const torch::Tensor& x, const torch::Tensor& panels) {
+#ifdef LLMQ_HAS_PANEL_LINEAR
+  check_cpu(x, "x");
+  return llmq_panels::argmax_of_product(x, panels);
+#else
+  TORCH_CHECK(false, "panel_argmax: this build has no panel products (they are built for CPUs with AVX2)");
+#endif
+}
+
 // silu(x @ gate.T) * (x @ up.T), for a gate/up weight in panels whose gate and up are each whole panels:
 // equal to silu_and_mul(panel_linear(x, panels)) without storing the product.
 torch::Tensor panel_silu_and_mul(const torch::Tensor& x, const torch::Tensor& panels,
@@ -1198,6 +1209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_tables"), py::arg("block_size"));
+  m.def("panel_argmax", &panel_argmax, "each row's argmax of x @ W.T, W in panels, without storing it");
   m.def("tiled_argmax", &tiled_argmax, "each row's argmax of x @ W.T in bfloat16, W in tiles, without storing it");
   m.def("tiled_silu_and_mul", &tiled_silu_and_mul,
         "silu(x @ gate.T) * (x @ up.T) in bfloat16, gate and up laid out paired in tiles",

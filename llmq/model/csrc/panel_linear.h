@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -494,6 +495,89 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, cons
                     [&](const float* x, int64_t m, int64_t k, const auto* weights, const float* bias_ptr, auto* out) {
                       multiply(x, m, k, weights, num_panels, bias_ptr, out);
                     });
+}
+
+// A row's running argmax over the columns a thread has seen: for each of a panel's 16 columns (a lane), the
+// largest value so far and its column, replaced only by a larger value, so that a lane keeps its first
+// column of equals and NaN never wins (argmax_rows's rule).
+struct alignas(64) RowBest {
+  float best[kPanelColumns];
+  int32_t column[kPanelColumns];
+};
+
+// best's lanes against a panel's 16 outputs of a row (float32, or bfloat16 bits as `linear` stores them),
+// the panel's first column `first_column`.
+inline void keep_larger(RowBest& best, const float* outputs, int32_t first_column) {
+  for (int64_t i = 0; i < kPanelColumns; i += 8) {
+    const __m256 held = _mm256_load_ps(best.best + i), v = _mm256_loadu_ps(outputs + i);
+    const __m256 larger = _mm256_cmp_ps(v, held, _CMP_GT_OQ);
+    const __m256i columns = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                             _mm256_set1_epi32(first_column + static_cast<int32_t>(i)));
+    const __m256i held_columns = _mm256_load_si256(reinterpret_cast<const __m256i*>(best.column + i));
+    _mm256_store_ps(best.best + i, _mm256_blendv_ps(held, v, larger));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(best.column + i),
+                       _mm256_blendv_epi8(held_columns, columns, _mm256_castps_si256(larger)));
+  }
+}
+inline void keep_larger(RowBest& best, const uint16_t* outputs, int32_t first_column) {
+  alignas(64) float widened[kPanelColumns];
+  for (int64_t i = 0; i < kPanelColumns; i += 8) _mm256_store_ps(widened + i, load8(outputs + i));
+  keep_larger(best, widened, first_column);
+}
+
+// Each row's argmax (the first of equals, NaN never winning) of x [..., K] @ W.T for W in panels, as
+// argmax_rows of `linear`'s output (rounded to bfloat16 first where the panels are bfloat16): a greedy
+// step's LM head, whose logits nothing else reads, without writing them out and reading them back. Each
+// thread multiplies its share of panels as `multiply` does, a panel's outputs for a group of rows into a
+// block of its own, and keeps each row's RowBest; the row's maximum over every thread and lane, and the
+// first column holding it, come last.
+inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& panels) {
+  const auto [x, unused_bias] = float_operands(input, panels, c10::nullopt, "panel_argmax");
+  const int64_t m = x.size(0), k = panels.size(1), num_panels = panels.size(0), threads = at::get_num_threads();
+  at::Tensor out = at::zeros({m}, input.options().dtype(at::kLong));
+  if (m == 0) return out;
+  std::vector<RowBest> bests(threads * m);
+  for (RowBest& b : bests) {
+    std::fill_n(b.best, kPanelColumns, -std::numeric_limits<float>::infinity());
+    std::fill_n(b.column, kPanelColumns, 0);
+  }
+  const auto search = [&](const auto* weights) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(weights)>>;
+    using O = W;  // `linear`'s output type for these panels
+    const int64_t panel_elements = k * kPanelColumns, group = row_group(slice_inputs<O>(k));
+    const int64_t block_floats = (group * kPanelColumns * static_cast<int64_t>(sizeof(O)) + 3) / 4;
+    const int64_t widened = widened_floats<W>(m, k);
+    const float* inputs = inputs_for_panels(x.data_ptr<float>(), m, k, group, slice_inputs<O>(k));
+    const bool fetch_ahead = fetches_ahead<W>(m);
+    over_units(m, group, num_panels, panel_elements * static_cast<int64_t>(sizeof(W)), widened + block_floats,
+               [&](int64_t p, int64_t row0, int64_t rows, bool last, float* scratch) {
+                 O* block = reinterpret_cast<O*>(scratch + widened);
+                 panel_block(inputs + row0 * k, rows, k, weights + p * panel_elements, nullptr, block,
+                             kPanelColumns, fetch_ahead && !last, scratch);
+                 RowBest* mine = bests.data() + at::get_thread_num() * m + row0;
+                 const auto first_column = static_cast<int32_t>(p * kPanelColumns);
+                 for (int64_t r = 0; r < rows; ++r) keep_larger(mine[r], block + r * kPanelColumns, first_column);
+               });
+  };
+  if (panels.scalar_type() == at::kFloat) {
+    search(panels.data_ptr<float>());
+  } else {
+    search(reinterpret_cast<const uint16_t*>(panels.data_ptr()));
+  }
+  int64_t* result = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < m; ++row) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < threads; ++t) {
+      const float* best = bests[t * m + row].best;
+      top = std::max(top, *std::max_element(best, best + kPanelColumns));
+    }
+    int32_t first = std::numeric_limits<int32_t>::max();  // some lane holds `top` (-inf where all are)
+    for (int64_t t = 0; t < threads; ++t)
+      for (int i = 0; i < kPanelColumns; ++i)
+        if (bests[t * m + row].best[i] == top) first = std::min(first, bests[t * m + row].column[i]);
+    result[row] = first;
+  }
+  return out;
 }
 
 // x [..., K] against a gate/up weight in panels [2 I/16, K, 16] (+ bias [2 I]) -> [..., I], each output
