@@ -342,10 +342,10 @@ inline void widen(const uint16_t* panel, int64_t k, float* to) {
   for (int64_t i = 0; i < k * kPanelColumns; i += 8) _mm256_storeu_ps(to + i, load8(panel + i));
 }
 
-// The loop both products share. Units are panels, or gate/up pairs of panels, `unit_bytes` each, of which
-// each thread takes a contiguous share; visit(unit, row0, rows, last_of_share, scratch) multiplies rows
-// row0 .. row0 + rows - 1 (at most `group` of them) by one unit. `scratch` is the thread's own
-// `scratch_floats` floats.
+// The loop the products share (multiply, gated_multiply, argmax_of_product). Units are panels, or gate/up
+// pairs of panels, `unit_bytes` each, of which each thread takes a contiguous share; visit(unit, row0,
+// rows, last_of_share, scratch) multiplies rows row0 .. row0 + rows - 1 (at most `group` of them) by one
+// unit. `scratch` is the thread's own `scratch_floats` floats.
 template <typename Visit>
 void over_units(int64_t m, int64_t group, int64_t units, int64_t unit_bytes, int64_t scratch_floats,
                 const Visit& visit) {
