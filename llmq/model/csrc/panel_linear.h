@@ -27,10 +27,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "lane_maxima.h"
 
 namespace llmq_panels {
 
@@ -497,17 +498,9 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, cons
                     });
 }
 
-// A row's running argmax over the columns a thread has seen: for each of a panel's 16 columns (a lane), the
-// largest value so far and its column, replaced only by a larger value, so that a lane keeps its first
-// column of equals and NaN never wins (argmax_rows's rule).
-struct alignas(64) RowBest {
-  float best[kPanelColumns];
-  int32_t column[kPanelColumns];
-};
-
-// best's lanes against a panel's 16 outputs of a row (float32, or bfloat16 bits as `linear` stores them),
-// the panel's first column `first_column`.
-inline void keep_larger(RowBest& best, const float* outputs, int32_t first_column) {
+// A row's lanes (lane_maxima.h) against a panel's 16 outputs of it (float32, or bfloat16 bits as `linear`
+// stores them), the panel's first column `first_column`.
+inline void keep_larger(llmq_argmax::LaneMaxima& best, const float* outputs, int32_t first_column) {
   for (int64_t i = 0; i < kPanelColumns; i += 8) {
     const __m256 held = _mm256_load_ps(best.best + i), v = _mm256_loadu_ps(outputs + i);
     const __m256 larger = _mm256_cmp_ps(v, held, _CMP_GT_OQ);
@@ -519,7 +512,7 @@ inline void keep_larger(RowBest& best, const float* outputs, int32_t first_colum
                        _mm256_blendv_epi8(held_columns, columns, _mm256_castps_si256(larger)));
   }
 }
-inline void keep_larger(RowBest& best, const uint16_t* outputs, int32_t first_column) {
+inline void keep_larger(llmq_argmax::LaneMaxima& best, const uint16_t* outputs, int32_t first_column) {
   alignas(64) float widened[kPanelColumns];
   for (int64_t i = 0; i < kPanelColumns; i += 8) _mm256_store_ps(widened + i, load8(outputs + i));
   keep_larger(best, widened, first_column);
@@ -529,18 +522,14 @@ inline void keep_larger(RowBest& best, const uint16_t* outputs, int32_t first_co
 // argmax_rows of `linear`'s output (rounded to bfloat16 first where the panels are bfloat16): a greedy
 // step's LM head, whose logits nothing else reads, without writing them out and reading them back. Each
 // thread multiplies its share of panels as `multiply` does, a panel's outputs for a group of rows into a
-// block of its own, and keeps each row's RowBest; the row's maximum over every thread and lane, and the
-// first column holding it, come last.
+// block of its own, and keeps each row's lanes (lane_maxima.h); the row's maximum over every thread and
+// lane, and the first column holding it, come last.
 inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& panels) {
   const auto [x, unused_bias] = float_operands(input, panels, c10::nullopt, "panel_argmax");
   const int64_t m = x.size(0), k = panels.size(1), num_panels = panels.size(0), threads = at::get_num_threads();
   at::Tensor out = at::zeros({m}, input.options().dtype(at::kLong));
   if (m == 0) return out;
-  std::vector<RowBest> bests(threads * m);
-  for (RowBest& b : bests) {
-    std::fill_n(b.best, kPanelColumns, -std::numeric_limits<float>::infinity());
-    std::fill_n(b.column, kPanelColumns, 0);
-  }
+  std::vector<llmq_argmax::LaneMaxima> lanes = llmq_argmax::fresh_lane_maxima(threads, m);
   const auto search = [&](const auto* weights) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(weights)>>;
     using O = W;  // `linear`'s output type for these panels
@@ -554,7 +543,7 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& p
                  O* block = reinterpret_cast<O*>(scratch + widened);
                  panel_block(inputs + row0 * k, rows, k, weights + p * panel_elements, nullptr, block,
                              kPanelColumns, fetch_ahead && !last, scratch);
-                 RowBest* mine = bests.data() + at::get_thread_num() * m + row0;
+                 llmq_argmax::LaneMaxima* mine = lanes.data() + at::get_thread_num() * m + row0;
                  const auto first_column = static_cast<int32_t>(p * kPanelColumns);
                  for (int64_t r = 0; r < rows; ++r) keep_larger(mine[r], block + r * kPanelColumns, first_column);
                });
@@ -564,19 +553,7 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& p
   } else {
     search(reinterpret_cast<const uint16_t*>(panels.data_ptr()));
   }
-  int64_t* result = out.data_ptr<int64_t>();
-  for (int64_t row = 0; row < m; ++row) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < threads; ++t) {
-      const float* best = bests[t * m + row].best;
-      top = std::max(top, *std::max_element(best, best + kPanelColumns));
-    }
-    int32_t first = std::numeric_limits<int32_t>::max();  // some lane holds `top` (-inf where all are)
-    for (int64_t t = 0; t < threads; ++t)
-      for (int i = 0; i < kPanelColumns; ++i)
-        if (bests[t * m + row].best[i] == top) first = std::min(first, bests[t * m + row].column[i]);
-    result[row] = first;
-  }
+  llmq_argmax::first_columns_of_maxima(lanes, threads, m, out.data_ptr<int64_t>());
   return out;
 }
 

@@ -32,6 +32,8 @@
 #include <limits>
 #include <vector>
 
+#include "lane_maxima.h"
+
 namespace llmq_tiled {
 
 constexpr int kTileRows = 16;                      // rows of an input tile and of a result tile
@@ -366,9 +368,9 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& tiles, const
 // x [..., K] bfloat16 against W [V, K] in tiles -> int64 [M]: each row's argmax over x @ W.T, each value
 // rounded to bfloat16 as `linear` stores it, the first of equals, NaN never winning (argmax_rows's rule):
 // a greedy step's LM head, whose logits nothing else reads, without writing them out and reading them
-// back. Each thread keeps, for each row, 16 running maxima and their columns (one per lane of a column
-// tile, each replaced only by a larger value, so that a lane keeps its first column of equals); the
-// row's maximum over every thread and lane, and the first column holding it, come last.
+// back. Each thread keeps, for each row, 16 running maxima and their columns (lane_maxima.h: one per lane
+// of a column tile); the row's maximum over every thread and lane, and the first column holding it, come
+// last.
 inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& tiles) {
   TORCH_CHECK(tiles.dim() == 4, "tiled_argmax: tiles must be [V/16, K/32, 16, 32] (not paired)");
   const at::Tensor a = padded_rows(input, tiles, "tiled_argmax");
@@ -376,18 +378,10 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& t
   const int64_t m = input.numel() / input.size(-1), threads = at::get_num_threads();
   at::Tensor out = at::zeros({m}, input.options().dtype(at::kLong));
   if (m == 0) return out;
-  struct alignas(64) Lanes {
-    float best[16];
-    int32_t column[16];
-  };
-  std::vector<Lanes> lanes(threads * m);
-  for (Lanes& l : lanes) {
-    std::fill(l.best, l.best + 16, -std::numeric_limits<float>::infinity());
-    std::fill(l.column, l.column + 16, 0);
-  }
+  std::vector<llmq_argmax::LaneMaxima> lanes = llmq_argmax::fresh_lane_maxima(threads, m);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   multiply(a, w, [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
-    Lanes* mine = lanes.data() + at::get_thread_num() * m;
+    llmq_argmax::LaneMaxima* mine = lanes.data() + at::get_thread_num() * m;
     const __m512i columns[2] = {_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(pair * 32))),
                                 _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(pair * 32 + 16)))};
     for (int rt = 0; rt < row_tiles; ++rt) {
@@ -407,17 +401,7 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& t
       }
     }
   });
-  int64_t* result = out.data_ptr<int64_t>();
-  for (int64_t row = 0; row < m; ++row) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < threads; ++t)
-      top = std::max(top, _mm512_reduce_max_ps(_mm512_load_ps(lanes[t * m + row].best)));
-    int32_t first = std::numeric_limits<int32_t>::max();  // some lane holds `top` (-inf where all are)
-    for (int64_t t = 0; t < threads; ++t)
-      for (int i = 0; i < 16; ++i)
-        if (lanes[t * m + row].best[i] == top) first = std::min(first, lanes[t * m + row].column[i]);
-    result[row] = first;
-  }
+  llmq_argmax::first_columns_of_maxima(lanes, threads, m, out.data_ptr<int64_t>());
   return out;
 }
 
