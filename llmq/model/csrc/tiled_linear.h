@@ -51,6 +51,11 @@ constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
 // loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead. The dot
 // products' loads are not held up that way: there the prefetch measured level (0, 16 or 48 steps).
 constexpr int64_t kPrefetchSteps = 16;
+// Every pass on the matrix units also asks for the weight tiles this many k-steps ahead into L1. A tile
+// load whose 16 lines are in L2 still waits for all 16 to come up, and the matrix units wait with it; with
+// the lines already in L1 they only wait where memory is slower than their arithmetic. It pays most where
+// the cores share the memory with other work, and where two row tiles make each k-step's arithmetic longer.
+constexpr int64_t kL1PrefetchSteps = 2;
 
 #ifdef LLMQ_HAS_AMX
 struct alignas(64) TileConfig {
@@ -89,17 +94,19 @@ inline bool on_matrix_units() {
 }
 
 // Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
-// last is in the pairs after it) into L2: the tiles of both its column blocks, as a pass reads them.
+// last is in the pairs after it) into L2 (or, with Locality 3, into L1: prefetcht1 and prefetcht0): the
+// tiles of both its column blocks, as a pass reads them.
+template <int Locality = 2>
 inline void prefetch_weight_step(const uint16_t* tiles, int64_t pair, int64_t step, int64_t pairs, int64_t k_tiles,
                                  int64_t col_blocks) {
   pair += step / k_tiles;
   if (pair >= pairs) return;
   const int64_t block = pair * 2;
   const char* first = reinterpret_cast<const char*>(tiles + (block * k_tiles + step % k_tiles) * kTileElements);
-  for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T1);
+  for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(first + offset, 0, Locality);
   if (block + 1 < col_blocks) {
     const char* second = first + k_tiles * kTileElements * 2;
-    for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) _mm_prefetch(second + offset, _MM_HINT_T1);
+    for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(second + offset, 0, Locality);
   }
 }
 
@@ -239,6 +246,7 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
           _tile_zero(3);
           for (int64_t kt = 0; kt < k_tiles; ++kt) {
             if (rt == 0) prefetch_weight_step(B, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
+            prefetch_weight_step<3>(B, pair, kt + kL1PrefetchSteps, pairs, k_tiles, col_blocks);
             _tile_loadd(4, a0 + kt * kTileInputs, a_stride);
             _tile_loadd(6, b0 + kt * kTileElements, 64);
             _tile_dpbf16ps(0, 4, 6);
