@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -103,8 +104,7 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
     with runtime.intake.turn(tenant, Work("llmq.complete", request_id)) as now:
         if not now:
             return "parked"
-        if not runtime.leases.acquire_unless_alive(request_id, lambda: _request_finished(runtime, request_id),
-                                                   runtime.is_alive):
+        if not _take_lease(runtime, request_id, lambda: _request_finished(runtime, request_id)):
             return "skipped"
         try:
             return _complete_leased(runtime, request_id, _prepared(runtime, kind, body, prepared), model, created,
@@ -238,8 +238,7 @@ def run_item(runtime: WorkerRuntime, item_id: int) -> str:
     with runtime.intake.turn(line.tenant, work) as now:
         if not now:
             return "parked"  # claimed (running, in the database), to run when its tenant has a thread
-        if not runtime.leases.acquire_unless_alive(line.request_id, lambda: _item_finished(runtime, item_id),
-                                                   runtime.is_alive):
+        if not _take_lease(runtime, line.request_id, lambda: _item_finished(runtime, item_id)):
             return "skipped"
         try:
             return _run_item_leased(runtime, line)
@@ -300,6 +299,17 @@ def _finalize_if_done(runtime: WorkerRuntime, batch_id: str) -> None:
 
 REDIS_OUTAGE_RETRIES = 3  # runs of one request that Redis going away may cut short before it fails
 REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (still loading) among them
+
+
+def _take_lease(runtime: WorkerRuntime, request_id: str, finished: Callable[[], bool]) -> bool:
+    """The request's lease (Leases.acquire_unless_alive). Redis being away while it is taken stops the run
+    before it could start, as an unread checkpoint does: once Redis answers, the task goes back to the
+    queue (_requeue_after_outage); the error goes on only if Redis stays away past LLMQ_REDIS_OUTAGE_SECONDS."""
+    try:
+        return runtime.leases.acquire_unless_alive(request_id, finished, runtime.is_alive)
+    except REDIS_AWAY as err:
+        _requeue_after_outage(runtime, request_id, err)
+        raise
 
 
 def _requeue_after_outage(runtime: WorkerRuntime, request_id: str, err: Exception) -> None:
