@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from celery import Task, shared_task
@@ -99,7 +100,7 @@ def complete_request(runtime: WorkerRuntime, request_id: str) -> str:
             return "skipped"
         kind, body, prepared, model = request.kind, request.body, request.prepared, request.model
         created, tenant = int(request.created_at), request.tenant
-    if is_cancelled(runtime.redis, request_id):
+    if _before_start(runtime, request_id, lambda: is_cancelled(runtime.redis, request_id)):
         return _cancel_before_start(runtime, request_id)
     with runtime.intake.turn(tenant, Work("llmq.complete", request_id)) as now:
         if not now:
@@ -138,11 +139,7 @@ def _cancel_before_start(runtime: WorkerRuntime, request_id: str) -> str:
 
 def _complete_leased(runtime: WorkerRuntime, request_id: str, prepared: PreparedRequest, model: str,
                      created: int, tenant: str) -> str:
-    try:
-        checkpoint = _checkpoint(runtime, request_id)
-    except REDIS_AWAY as err:
-        _requeue_after_outage(runtime, request_id, err)
-        raise
+    checkpoint = _before_start(runtime, request_id, lambda: _checkpoint(runtime, request_id))
     if checkpoint is not None and checkpoint.error is not None:
         # It failed, and its worker died before writing that down: its readers saw the error already.
         with runtime.db.session() as session:
@@ -299,21 +296,29 @@ def _finalize_if_done(runtime: WorkerRuntime, batch_id: str) -> None:
 
 REDIS_OUTAGE_RETRIES = 3  # runs of one request that Redis going away may cut short before it fails
 REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (still loading) among them
+T = TypeVar("T")
 
 
-def _take_lease(runtime: WorkerRuntime, request_id: str, finished: Callable[[], bool]) -> bool:
-    """The request's lease (Leases.acquire_unless_alive). Redis being away while it is taken stops the run
-    before it could start, as an unread checkpoint does: once Redis answers, the task goes back to the
-    queue (_requeue_after_outage); the error goes on only if Redis stays away past LLMQ_REDIS_OUTAGE_SECONDS."""
+def _before_start(runtime: WorkerRuntime, request_id: str, call: Callable[[], T]) -> T:
+    """call(), which reads or writes Redis before the request's run starts (its cancel flag, its lease, its
+    checkpoint). Redis being away then is no fault of the request's: once Redis answers, the task goes back
+    to the queue (_requeue_after_outage); the error goes on only if Redis stays away past
+    LLMQ_REDIS_OUTAGE_SECONDS."""
     try:
-        return runtime.leases.acquire_unless_alive(request_id, finished, runtime.is_alive)
+        return call()
     except REDIS_AWAY as err:
         _requeue_after_outage(runtime, request_id, err)
         raise
 
 
+def _take_lease(runtime: WorkerRuntime, request_id: str, finished: Callable[[], bool]) -> bool:
+    """The request's lease (Leases.acquire_unless_alive), taken before its run starts (_before_start)."""
+    return _before_start(runtime, request_id,
+                         lambda: runtime.leases.acquire_unless_alive(request_id, finished, runtime.is_alive))
+
+
 def _requeue_after_outage(runtime: WorkerRuntime, request_id: str, err: Exception) -> None:
-    """A run that Redis being away stopped before it could start (its checkpoint unread) is no fault
+    """A run that Redis being away stopped before it could start (_before_start) is no fault
     of the request's: once Redis answers, the task goes back to the queue and runs from its checkpoint.
     Returns only if Redis stays away past LLMQ_REDIS_OUTAGE_SECONDS: then the request fails."""
     if _redis_answers(runtime, runtime.settings.redis_outage_seconds):
