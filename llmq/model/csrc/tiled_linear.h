@@ -29,7 +29,6 @@
 #include <atomic>
 #include <cstring>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "lane_maxima.h"
