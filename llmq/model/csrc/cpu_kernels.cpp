@@ -933,6 +933,20 @@ bool allow_matrix_units(bool allowed) {
 #endif
 }
 
+// The chunk each of a sequence of StealingRuns::next calls returns, call i made by the thread of run
+// callers[i] (tests: the products' split between threads, in one thread's time).
+std::vector<int64_t> stealing_runs_order(int64_t chunks, int64_t parts, const std::vector<int64_t>& callers) {
+  TORCH_CHECK(chunks >= 0 && chunks < (int64_t{1} << 32) && parts >= 1, "stealing_runs_order: ", chunks,
+              " chunks in ", parts, " runs");
+  llmq_split::StealingRuns runs(chunks, parts);
+  std::vector<int64_t> taken;
+  for (const int64_t own : callers) {
+    TORCH_CHECK(own >= 0 && own < parts, "stealing_runs_order: no run ", own, " of ", parts);
+    taken.push_back(runs.next(own));
+  }
+  return taken;
+}
+
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
 #ifdef LLMQ_HAS_TILED_LINEAR
   check_cpu(x, "x");
@@ -1189,6 +1203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("tiled_products", &tiled_products, "what runs tiled_linear on this CPU: amx, avx512-bf16, or none");
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
+  m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
+        py::arg("chunks"), py::arg("parts"), py::arg("callers"));
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx512, avx2, or none");

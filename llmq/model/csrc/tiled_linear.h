@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "lane_maxima.h"
+#include "work_split.h"
 
 namespace llmq_tiled {
 
@@ -218,17 +219,23 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
   // group of 32 rows passes over a run while its tiles are in the thread's L2.
   const PairRuns split(w, row_tiles);
   const int64_t pairs = split.pairs, per_chunk = split.per_chunk, chunks = split.chunks;
-  // Decode-sized products take their chunks in contiguous runs, an equal share per thread: memory sets
-  // their pace, and a thread's prefetch runs on into its own next chunk. Longer ones are dealt a chunk at
-  // a time to whichever thread is free: their arithmetic sets the pace, and equal shares finished apart.
+  // Decode-sized products take their chunks in contiguous runs, one per thread, the ends of which go to
+  // whichever thread finishes its own first (StealingRuns): memory sets their pace, and a thread's
+  // prefetch runs on into its own next chunk. Longer ones are dealt a chunk at a time to whichever thread
+  // is free: their arithmetic sets the pace, and equal shares finished apart.
   const bool dealt = row_tiles > kFewRowTiles;
   std::atomic<int64_t> next_chunk{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
-  at::parallel_for(0, dealt ? threads : chunks, 1, [&](int64_t begin, int64_t end) {
+  llmq_split::StealingRuns runs(chunks, threads);
+  const auto take = [&](int64_t own) -> int64_t {
+    if (!dealt) return runs.next(own);
+    const int64_t chunk = next_chunk++;
+    return chunk < chunks ? chunk : -1;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t own, int64_t) {
     configure_tiles();
     alignas(64) ResultTiles c;
-    const int64_t stop = dealt ? chunks : end;
-    for (int64_t chunk = dealt ? next_chunk++ : begin; chunk < stop; chunk = dealt ? next_chunk++ : chunk + 1) {
+    for (int64_t chunk = take(own); chunk >= 0; chunk = take(own)) {
       const int64_t last_pair = std::min(pairs, (chunk + 1) * per_chunk);
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
         const bool two_rows = rt + 1 < row_tiles;
@@ -283,9 +290,11 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
   const uint16_t* B = w.tiles;
   const PairRuns split(w, row_tiles);
-  at::parallel_for(0, split.chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(split.chunks, at::get_num_threads()));
+  llmq_split::StealingRuns runs(split.chunks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t own, int64_t) {
     alignas(64) ResultTiles c;
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
+    for (int64_t chunk = runs.next(own); chunk >= 0; chunk = runs.next(own)) {
       const int64_t last_pair = std::min(split.pairs, (chunk + 1) * split.per_chunk);
       for (int64_t row0 = 0; row0 < m; row0 += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - row0);

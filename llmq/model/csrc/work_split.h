@@ -1,8 +1,10 @@
-// Dealing attention's pieces of work to threads, and finding a paged call's prompt chunks, included by
-// cpu_kernels.cpp, decode_attention_bf16.h and the prompt kernels.
+// Dealing pieces of work to threads (a product's column runs, attention's queries), and finding a paged
+// call's prompt chunks, included by cpu_kernels.cpp, tiled_linear.h, decode_attention_bf16.h and the
+// prompt kernels.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -52,5 +54,60 @@ void for_each_chunk(const int32_t* query_tables, const int32_t* lens, int64_t n,
     chunk(first, last);
   }
 }
+
+// Chunks 0 .. chunks - 1 in `parts` contiguous runs of (nearly) equal length, each taken front to back by
+// its own thread, so that a thread reads its run in order and its prefetches run on into its own next
+// chunk. A thread whose run is done takes chunks from the back of the run with the most left: two cores
+// need not run at one speed (one shared with a busy neighbour, or a hybrid CPU's smaller core), and with
+// fixed shares the faster would wait for the slower.
+class StealingRuns {
+ public:
+  StealingRuns(int64_t chunks, int64_t parts) : runs_(std::max<int64_t>(1, parts)) {
+    const int64_t n = static_cast<int64_t>(runs_.size());
+    for (int64_t p = 0; p < n; ++p) runs_[p].bounds.store(pack(chunks * p / n, chunks * (p + 1) / n));
+  }
+
+  int64_t parts() const { return static_cast<int64_t>(runs_.size()); }
+
+  // The next chunk for the thread of run `own`, or -1 once every chunk has been taken.
+  int64_t next(int64_t own) {
+    if (const int64_t chunk = take(own, /*from_front=*/true); chunk >= 0) return chunk;
+    for (;;) {
+      int64_t fullest = -1, most = 0;
+      for (int64_t p = 0; p < parts(); ++p) {
+        const uint64_t seen = runs_[p].bounds.load(std::memory_order_relaxed);
+        if (back(seen) - front(seen) > most) most = back(seen) - front(seen), fullest = p;
+      }
+      if (fullest < 0) return -1;
+      if (const int64_t chunk = take(fullest, /*from_front=*/false); chunk >= 0) return chunk;
+    }
+  }
+
+ private:
+  // A run's next chunk (front) and one past its last (back), in one word so that its owner and a thief
+  // never both take the last chunk. Each chunk is taken once; what a thread writes for it is published by
+  // the parallel region's closing barrier, so the order asked of these atomics is relaxed.
+  struct alignas(64) Run {
+    std::atomic<uint64_t> bounds{0};
+  };
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  static int64_t front(uint64_t bounds) { return static_cast<int64_t>(bounds & 0xffffffffu); }
+  static int64_t back(uint64_t bounds) { return static_cast<int64_t>(bounds >> 32); }
+
+  int64_t take(int64_t p, bool from_front) {
+    std::atomic<uint64_t>& bounds = runs_[p].bounds;
+    uint64_t seen = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t first = front(seen), end = back(seen);
+      if (first >= end) return -1;
+      const uint64_t left = from_front ? pack(first + 1, end) : pack(first, end - 1);
+      if (bounds.compare_exchange_weak(seen, left, std::memory_order_relaxed)) return from_front ? first : end - 1;
+    }
+  }
+
+  std::vector<Run> runs_;
+};
 
 }  // namespace llmq_split
