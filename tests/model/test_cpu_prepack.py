@@ -202,24 +202,49 @@ def test_tiled_products_take_any_leading_shape_and_no_rows(tiled_path):
         linear(torch.randn(3, 32).to(torch.bfloat16), tile_weight(weight), None)
 
 
+# Columns whose weights are equal, so that a row leaning on them ties there exactly: 1032 comes first;
+# 1064 is the same lane (column % 16) of a later tile or panel; 1500 another lane; 2040 the first one's
+# lane in the last tile. With 2,048 columns of 96 inputs, the second thread's run of chunks
+# (work_split.h's StealingRuns) is columns 1,024 onwards, 1032 in its first chunk and 2040 in its last: a
+# thread done with its own run first takes that run from its back, and meets 2040 before 1032.
+TIED_COLUMNS = (1032, 1064, 1500, 2040)
+
+
+def _tied_columns(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [2048, 96] weight and [rows, 96] inputs: every even row led by TIED_COLUMNS, the odd rows random."""
+    weight = torch.randn(2048, 96, generator=generator)
+    lead = torch.randn(96, generator=generator)
+    weight[list(TIED_COLUMNS)] = 2 * lead
+    x = torch.randn(rows, 96, generator=generator)
+    x[::2] += 3 * lead
+    return weight, x
+
+
+def _argmax_whoever_takes_the_runs(argmax, x, weight) -> list[torch.Tensor]:
+    """argmax(x, weight) as the threads share it out, then with one thread taking every run (its own, then
+    the second from its back: the order in which a thread done early meets another's columns)."""
+    ops = native_kernels()._ops
+    shared = argmax(x, weight)
+    before = ops.take_runs_in_one_thread(True)
+    try:
+        return [shared, argmax(x, weight)]
+    finally:
+        ops.take_runs_in_one_thread(before)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
 def test_the_argmax_of_a_tiled_product_is_that_of_the_logits_it_would_store(tiled_path, rows):
     """tiled_argmax: each row's argmax over what tiled_linear stores, the first of equal columns, without
-    storing it. Every even row is led by column 40, which columns 72 (the same lane of a later tile), 150
-    (another lane) and 200 (a later tile's same lane, among the second thread's columns) tie with
-    exactly; the odd rows are random."""
+    storing it, whichever thread meets which of them first (_tied_columns)."""
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(208, 96, generator=generator)
-    lead = torch.randn(96, generator=generator)
-    weight[40] = weight[72] = weight[150] = weight[200] = 2 * lead
-    x = torch.randn(rows, 96, generator=generator)
-    x[::2] += 3 * lead
+    weight, x = _tied_columns(rows, generator)
     tiles = tile_weight(weight.to(torch.bfloat16))
     x = x.to(torch.bfloat16)
     stored = linear(x, tiles, None)
     expected = stored.float().argmax(dim=-1)  # torch's: the first of equals
-    assert (expected[::2] == 40).all()
-    assert torch.equal(tiled_argmax(x, tiles), expected)
+    assert (expected[::2] == TIED_COLUMNS[0]).all()
+    for found in _argmax_whoever_takes_the_runs(tiled_argmax, x, tiles):
+        assert torch.equal(found, expected)
     assert tiled_argmax(x[:0], tiles).shape == (0,)
 
 
@@ -481,25 +506,20 @@ def test_float32_weights_that_fit_go_in_panels_the_rest_to_onednn(stories_dir):
 @pytest.mark.parametrize("rows", [1, 7, 13, 64, 300])
 def test_the_argmax_of_a_panel_product_is_that_of_the_logits_it_would_store(dtype, rows):
     """panel_argmax: each row's argmax over what panel_linear stores, the first of equal columns, without
-    storing it. Every even row is led by column 40, which columns 72 (the same lane of a later panel), 150
-    (another lane) and 200 (a later panel's same lane, among the second thread's columns) tie with
-    exactly; the odd rows are random; column 100's weights are NaN, and NaN never wins (argmax_rows's
-    rule, where torch.argmax would pick it)."""
+    storing it, whichever thread meets which of them first (_tied_columns); column 100's weights are NaN,
+    and NaN never wins (argmax_rows's rule, where torch.argmax would pick it)."""
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(208, 96, generator=generator)
-    lead = torch.randn(96, generator=generator)
-    weight[40] = weight[72] = weight[150] = weight[200] = 2 * lead
+    weight, x = _tied_columns(rows, generator)
     weight[100] = float("nan")
-    x = torch.randn(rows, 96, generator=generator)
-    x[::2] += 3 * lead
     panels = panel_weight(weight.to(dtype))
     x = x.to(dtype)
     stored = linear(x, panels, None)
     expected = fast_argmax(stored)  # argmax_rows: the first of equals, NaN never winning
-    assert (expected[::2] == 40).all() and not (expected == 100).any()
-    assert torch.equal(stored[:, torch.arange(208) != 100].float().argmax(dim=-1),
+    assert (expected[::2] == TIED_COLUMNS[0]).all() and not (expected == 100).any()
+    assert torch.equal(stored[:, torch.arange(len(weight)) != 100].float().argmax(dim=-1),
                        expected - (expected > 100).long())  # torch's, with the NaN column left out
-    assert torch.equal(panel_argmax(x, panels), expected)
+    for found in _argmax_whoever_takes_the_runs(panel_argmax, x, panels):
+        assert torch.equal(found, expected)
     assert panel_argmax(x[:0], panels).shape == (0,)
 
 

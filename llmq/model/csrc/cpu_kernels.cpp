@@ -947,6 +947,10 @@ std::vector<int64_t> stealing_runs_order(int64_t chunks, int64_t parts, const st
   return taken;
 }
 
+// Gives every run of the products' column chunks to the calling thread, or not (tests); returns whether it
+// did before.
+bool take_runs_in_one_thread(bool one) { return llmq_split::one_thread_takes_every_run().exchange(one); }
+
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
 #ifdef LLMQ_HAS_TILED_LINEAR
   check_cpu(x, "x");
@@ -1205,6 +1209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
   m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
         py::arg("chunks"), py::arg("parts"), py::arg("callers"));
+  m.def("take_runs_in_one_thread", &take_runs_in_one_thread,
+        "whether the products' runs of column chunks all go to the calling thread (tests)");
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx512, avx2, or none");

@@ -14,8 +14,10 @@ constexpr int kLanes = 16;
 
 // A row's running argmax over the columns one thread has seen: for each of 16 lanes (a column's lane is
 // its position in the 16-column tile or panel it came in), the largest value so far and its column. A
-// lane's value is replaced only by a larger one, so that it keeps its first column of equals and NaN
-// never wins (argmax_rows's rule).
+// lane's value is replaced only by a larger one, or by an equal one from an earlier column, so that it
+// keeps its first column of equals in whatever order the thread meets its columns (one that is done with
+// its own columns takes others from the back: work_split.h's StealingRuns), and NaN never wins
+// (argmax_rows's rule).
 struct alignas(64) LaneMaxima {
   float best[kLanes];
   int32_t column[kLanes];

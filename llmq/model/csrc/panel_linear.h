@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "lane_maxima.h"
+#include "work_split.h"
 
 namespace llmq_panels {
 
@@ -57,6 +58,9 @@ constexpr int64_t kRunBytes = 192 * 1024;
 // As above: slices of 32 KB.
 constexpr int64_t kSliceInputs = 512;
 #endif
+// The chunks a thread's run of panels is cut into at the least: the slower thread's last chunks are what
+// a faster one can take over from it.
+constexpr int64_t kChunksEach = 4;
 constexpr int64_t kCacheLine = 64;
 
 // Eight of a panel row's weights as float32: float32 as they are, bfloat16 (held as uint16_t) widened.
@@ -344,19 +348,22 @@ inline void widen(const uint16_t* panel, int64_t k, float* to) {
 }
 
 // The loop the products share (multiply, gated_multiply, argmax_of_product). Units are panels, or gate/up
-// pairs of panels, `unit_bytes` each, of which each thread takes a contiguous share; visit(unit, row0,
-// rows, last_of_share, scratch) multiplies rows row0 .. row0 + rows - 1 (at most `group` of them) by one
-// unit. `scratch` is the thread's own `scratch_floats` floats.
+// pairs of panels, `unit_bytes` each, taken in chunks of at most kRunBytes, kChunksEach or more for each
+// thread: a contiguous run of them per thread, whose last ones go to whichever thread is done with its
+// own first (StealingRuns). visit(unit, row0, rows, last_unit, scratch) multiplies rows row0 .. row0 +
+// rows - 1 (at most `group` of them) by one unit. `scratch` is the thread's own `scratch_floats` floats.
 template <typename Visit>
 void over_units(int64_t m, int64_t group, int64_t units, int64_t unit_bytes, int64_t scratch_floats,
                 const Visit& visit) {
-  const int64_t run = std::max<int64_t>(1, kRunBytes / unit_bytes);
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(units, at::get_num_threads()));
+  const llmq_split::EqualChunks cut(units, std::max<int64_t>(1, kRunBytes / unit_bytes), threads, kChunksEach);
+  llmq_split::StealingRuns shares(cut.chunks, threads);
+  llmq_split::for_each_run(threads, [&](int64_t own) {
     std::vector<float> scratch(scratch_floats);
-    for (int64_t first = begin; first < end; first += run) {
-      const int64_t last = std::min(end, first + run);
+    for (int64_t chunk = shares.next(own); chunk >= 0; chunk = shares.next(own)) {
+      const int64_t first = cut.first(chunk), last = std::min(units, first + cut.per_chunk);
       for (int64_t row0 = 0; row0 < m; row0 += group)
-        for (int64_t u = first; u < last; ++u) visit(u, row0, std::min(group, m - row0), u + 1 == end, scratch.data());
+        for (int64_t u = first; u < last; ++u) visit(u, row0, std::min(group, m - row0), u + 1 == units, scratch.data());
     }
   });
 }
@@ -503,13 +510,15 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& panels, cons
 inline void keep_larger(llmq_argmax::LaneMaxima& best, const float* outputs, int32_t first_column) {
   for (int64_t i = 0; i < kPanelColumns; i += 8) {
     const __m256 held = _mm256_load_ps(best.best + i), v = _mm256_loadu_ps(outputs + i);
-    const __m256 larger = _mm256_cmp_ps(v, held, _CMP_GT_OQ);
     const __m256i columns = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                              _mm256_set1_epi32(first_column + static_cast<int32_t>(i)));
     const __m256i held_columns = _mm256_load_si256(reinterpret_cast<const __m256i*>(best.column + i));
-    _mm256_store_ps(best.best + i, _mm256_blendv_ps(held, v, larger));
+    const __m256 earlier = _mm256_castsi256_ps(_mm256_cmpgt_epi32(held_columns, columns));
+    const __m256 taken = _mm256_or_ps(_mm256_cmp_ps(v, held, _CMP_GT_OQ),
+                                      _mm256_and_ps(_mm256_cmp_ps(v, held, _CMP_EQ_OQ), earlier));
+    _mm256_store_ps(best.best + i, _mm256_blendv_ps(held, v, taken));
     _mm256_store_si256(reinterpret_cast<__m256i*>(best.column + i),
-                       _mm256_blendv_epi8(held_columns, columns, _mm256_castps_si256(larger)));
+                       _mm256_blendv_epi8(held_columns, columns, _mm256_castps_si256(taken)));
   }
 }
 inline void keep_larger(llmq_argmax::LaneMaxima& best, const uint16_t* outputs, int32_t first_column) {

@@ -164,10 +164,9 @@ struct PairRuns {
     pairs = (w.col_blocks + 1) / 2;
     const int64_t pair_bytes = 2 * w.k_tiles * kTileElements * 2;
     const int64_t chunk_bytes = row_tiles <= kFewRowTiles ? kFewRowsChunkBytes : kChunkBytes;
-    const int64_t threads = at::get_num_threads(), longest = std::max<int64_t>(1, chunk_bytes / pair_bytes);
-    const int64_t runs = ((pairs + longest - 1) / longest + threads - 1) / threads * threads;
-    per_chunk = (pairs + runs - 1) / runs;
-    chunks = (pairs + per_chunk - 1) / per_chunk;
+    const llmq_split::EqualChunks cut(pairs, std::max<int64_t>(1, chunk_bytes / pair_bytes), at::get_num_threads());
+    per_chunk = cut.per_chunk;
+    chunks = cut.chunks;
   }
 };
 
@@ -232,7 +231,7 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
     const int64_t chunk = next_chunk++;
     return chunk < chunks ? chunk : -1;
   };
-  at::parallel_for(0, threads, 1, [&](int64_t own, int64_t) {
+  llmq_split::for_each_run(threads, [&](int64_t own) {
     configure_tiles();
     alignas(64) ResultTiles c;
     for (int64_t chunk = take(own); chunk >= 0; chunk = take(own)) {
@@ -292,7 +291,7 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const PairRuns split(w, row_tiles);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(split.chunks, at::get_num_threads()));
   llmq_split::StealingRuns runs(split.chunks, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t own, int64_t) {
+  llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
     for (int64_t chunk = runs.next(own); chunk >= 0; chunk = runs.next(own)) {
       const int64_t last_pair = std::min(split.pairs, (chunk + 1) * split.per_chunk);
@@ -408,9 +407,11 @@ inline at::Tensor argmax_of_product(const at::Tensor& input, const at::Tensor& t
         __m512i column = _mm512_load_si512(mine[row].column);
         for (int ct = 0; ct < col_tiles; ++ct) {
           const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_load_ps(c[rt][ct][r])));
-          const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-          best = _mm512_mask_mov_ps(best, larger, v);
-          column = _mm512_mask_mov_epi32(column, larger, columns[ct]);
+          const __mmask16 taken = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                                  (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) &
+                                   _mm512_cmplt_epi32_mask(columns[ct], column));
+          best = _mm512_mask_mov_ps(best, taken, v);
+          column = _mm512_mask_mov_epi32(column, taken, columns[ct]);
         }
         _mm512_store_ps(mine[row].best, best);
         _mm512_store_si512(mine[row].column, column);

@@ -3,6 +3,8 @@
 // prompt kernels.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -54,6 +56,23 @@ void for_each_chunk(const int32_t* query_tables, const int32_t* lens, int64_t n,
     chunk(first, last);
   }
 }
+
+// Units 0 .. units - 1 cut into `chunks` chunks of per_chunk units (the last one may be shorter): none
+// longer than `longest` units, at least `least_each` for each of `threads` threads, and as many for each
+// (where there are units enough), so that equal runs of them (StealingRuns) are nearly equal work.
+struct EqualChunks {
+  int64_t per_chunk, chunks;
+
+  EqualChunks(int64_t units, int64_t longest, int64_t threads, int64_t least_each = 1) {
+    threads = std::max<int64_t>(1, threads);
+    const int64_t wanted = std::max((units + longest - 1) / std::max<int64_t>(1, longest), least_each * threads);
+    const int64_t runs = (wanted + threads - 1) / threads * threads;
+    per_chunk = std::max<int64_t>(1, (units + runs - 1) / runs);
+    chunks = (units + per_chunk - 1) / per_chunk;
+  }
+
+  int64_t first(int64_t chunk) const { return chunk * per_chunk; }
+};
 
 // Chunks 0 .. chunks - 1 in `parts` contiguous runs of (nearly) equal length, each taken front to back by
 // its own thread, so that a thread reads its run in order and its prefetches run on into its own next
@@ -109,5 +128,20 @@ class StealingRuns {
 
   std::vector<Run> runs_;
 };
+
+// Whether for_each_run gives every run to the calling thread (tests: the order in which a thread done early
+// meets the others' chunks, made certain).
+inline std::atomic<bool>& one_thread_takes_every_run() {
+  static std::atomic<bool> set{false};
+  return set;
+}
+
+// body(own) for each of `parts` runs of a StealingRuns, each on a thread of its own; body takes chunks with
+// next(own) until there are none. Where one thread gets them all, it takes its own run, then the others'.
+template <typename Body>
+void for_each_run(int64_t parts, const Body& body) {
+  if (one_thread_takes_every_run().load(std::memory_order_relaxed)) return body(0);
+  at::parallel_for(0, parts, 1, [&](int64_t own, int64_t) { body(own); });
+}
 
 }  // namespace llmq_split
