@@ -113,6 +113,14 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
                  torch.float16: dict(rtol=5e-3, atol=5e-3)}[dtype]
     torch.testing.assert_close(outs[kernel], outs[None], **tolerance)
     assert (outs[kernel].abs().sum(dim=1) > 0).all()  # every row written
+    if kernel == "cpu":  # one thread taking every run, the second's pieces from its back (work_split.h)
+        ops = native_kernels()._ops
+        before = ops.take_runs_in_one_thread(True)
+        try:
+            alone = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
+        finally:
+            ops.take_runs_in_one_thread(before)
+        assert torch.equal(alone, outs[kernel])
 
 
 @on_a_cpu

@@ -529,8 +529,8 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // included). A decode is one query with a row of its own; a prompt chunk's tokens share their sequence's row,
 // each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
 // G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
-// then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work
-// (work_split.h), and each piece asks for the next one's keys and values into L2 as it computes
+// then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work, then
+// what is left of the others' from their backs (work_split.h), and each piece asks for the next one's keys and values into L2 as it computes
 // (paged_prefetch.h's ContextFetch), unless the next one's query follows another of its table's (a
 // chunk's: those blocks are warm).
 template <typename scalar_t>
@@ -552,37 +552,37 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
   auto attend_here = chunks == 1 ? attend<1, scalar_t> : chunks == 2 ? attend<2, scalar_t>
                    : chunks == 4 ? attend<4, scalar_t> : chunks == 8 ? attend<8, scalar_t> : attend<0, scalar_t>;
   auto table_of = [&](int64_t n) { return tables + (query_tables != nullptr ? query_tables[n] : n) * table_stride; };
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const std::vector<int64_t> runs = llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads);
+  const int64_t threads = std::max(1, at::get_num_threads()), items = num_seqs * num_kv_heads;
+  llmq_split::StealingRuns runs(llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads));
 
-  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
+  llmq_split::for_each_run(runs.parts(), [&](int64_t own) {
     std::vector<float> query(group * head_dim), result(group * head_dim), scores;
-    for (int64_t run = first_run; run < last_run; ++run)
-      for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
-        const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
-        const int64_t length = lens[n];
-        if (length <= 0) continue;
-        for (int64_t g = 0; g < group; ++g) {
-          const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
-          for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
-        }
-        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-        const bool fetch_next = item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next);
-        llmq_prefetch::ContextFetch ahead;
-        if (fetch_next) {
-          ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                              reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                              table_of(next), lens[next], block_size,
-                                              block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
-        }
-        scores.resize(group * length);
-        attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, table_of(n),
-                    length, block_size, group, head_dim, scores.data(), result.data(), fetch_next ? &ahead : nullptr);
-        for (int64_t g = 0; g < group; ++g) {
-          scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);
-        }
+    for (int64_t item = runs.next(own); item >= 0; item = runs.next(own)) {
+      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t length = lens[n];
+      if (length <= 0) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = qp + n * q_token_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
+      const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+      const bool fetch_next = item + 1 < items && runs.is_next_of(own, item + 1) &&
+                              llmq_prefetch::first_of_its_table(query_tables, next);
+      llmq_prefetch::ContextFetch ahead;
+      if (fetch_next) {
+        ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                            reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                            table_of(next), lens[next], block_size,
+                                            block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+      }
+      scores.resize(group * length);
+      attend_here(query.data(), kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, table_of(n),
+                  length, block_size, group, head_dim, scores.data(), result.data(), fetch_next ? &ahead : nullptr);
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = op + n * out_stride + (kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(result[g * head_dim + d]);
+      }
+    }
   });
 }
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "paged_prefetch.h"
@@ -207,49 +208,52 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   auto* op = reinterpret_cast<uint16_t*>(out);
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const std::vector<int64_t> runs = llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
-    if (runs[first_run] == runs[last_run]) return;
-    Attend attend_here(head_dim);
+  const int64_t threads = std::max(1, at::get_num_threads()), items = num_seqs * num_kv_heads;
+  llmq_split::StealingRuns runs(llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads));
+  llmq_split::for_each_run(runs.parts(), [&](int64_t own) {
+    std::optional<Attend> attend_here;  // made at the thread's first piece (the matrix units' configures them)
     // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
     // padded length repeat the last one. Shared by the table's KV heads and by a chunk's queries, each
     // of which reads a prefix.
     std::vector<int64_t> rows;
     int64_t rows_of = -1, rows_built = 0;
-    for (int64_t run = first_run; run < last_run; ++run)
-      for (int64_t item = runs[run]; item < runs[run + 1]; ++item) {
-        const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
-        const int64_t length = lens[n];
-        if (length <= 0) continue;
-        const int64_t table_row = query_tables != nullptr ? query_tables[n] : n;
-        const int64_t padded = padded_length(length);
-        if (rows_of != table_row) {
-          rows_of = table_row;
-          rows_built = 0;
-        }
-        if (static_cast<int64_t>(rows.size()) < padded) rows.resize(padded);
-        const int32_t* table = tables + table_row * table_stride;
-        while (rows_built < length) {  // a block at a time: one division per block, not per token
-          const int64_t block = rows_built / block_size, block_end = std::min(length, (block + 1) * block_size);
-          const int64_t base = static_cast<int64_t>(table[block]) * block_size * head_dim - block * block_size * head_dim;
-          for (; rows_built < block_end; ++rows_built) rows[rows_built] = base + rows_built * head_dim;
-        }
-        std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
-        // The next piece's keys and values, asked for into L2 while this one computes.
-        llmq_prefetch::ContextFetch ahead;
-        const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-        if (item + 1 < runs[run + 1] && llmq_prefetch::first_of_its_table(query_tables, next)) {
-          const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
-          ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
-                                              reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
-                                              tables + next_row * table_stride, lens[next], block_size,
-                                              block_size * head_dim * 2);
-        }
-        attend_here(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
-                    kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
-                    scale, op + n * out_stride + kv_head * group * head_dim, ahead);
+    for (int64_t item = runs.next(own); item >= 0; item = runs.next(own)) {
+      const int64_t n = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t length = lens[n];
+      if (length <= 0) continue;
+      if (!attend_here) attend_here.emplace(head_dim);
+      const int64_t table_row = query_tables != nullptr ? query_tables[n] : n;
+      const int64_t padded = padded_length(length);
+      if (rows_of != table_row) {
+        rows_of = table_row;
+        rows_built = 0;
       }
+      // Past this query's length the rows must repeat its last one (a later query of the chunk, taken
+      // from a run's back first, built more).
+      rows_built = std::min(rows_built, length);
+      if (static_cast<int64_t>(rows.size()) < padded) rows.resize(padded);
+      const int32_t* table = tables + table_row * table_stride;
+      while (rows_built < length) {  // a block at a time: one division per block, not per token
+        const int64_t block = rows_built / block_size, block_end = std::min(length, (block + 1) * block_size);
+        const int64_t base = static_cast<int64_t>(table[block]) * block_size * head_dim - block * block_size * head_dim;
+        for (; rows_built < block_end; ++rows_built) rows[rows_built] = base + rows_built * head_dim;
+      }
+      std::fill(rows.begin() + rows_built, rows.begin() + std::max(rows_built, padded), rows[rows_built - 1]);
+      // The next piece's keys and values, asked for into L2 while this one computes.
+      llmq_prefetch::ContextFetch ahead;
+      const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
+      if (item + 1 < items && runs.is_next_of(own, item + 1) &&
+          llmq_prefetch::first_of_its_table(query_tables, next)) {
+        const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
+        ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
+                                            reinterpret_cast<const char*>(vp + next_head * cache_head_stride),
+                                            tables + next_row * table_stride, lens[next], block_size,
+                                            block_size * head_dim * 2);
+      }
+      (*attend_here)(qp + n * q_token_stride + kv_head * group * q_head_stride, q_head_stride,
+                     kp + kv_head * cache_head_stride, vp + kv_head * cache_head_stride, rows.data(), length, group,
+                     scale, op + n * out_stride + kv_head * group * head_dim, ahead);
+    }
   });
 }
 

@@ -81,12 +81,22 @@ struct EqualChunks {
 // fixed shares the faster would wait for the slower.
 class StealingRuns {
  public:
-  StealingRuns(int64_t chunks, int64_t parts) : runs_(std::max<int64_t>(1, parts)) {
-    const int64_t n = static_cast<int64_t>(runs_.size());
-    for (int64_t p = 0; p < n; ++p) runs_[p].bounds.store(pack(chunks * p / n, chunks * (p + 1) / n));
+  StealingRuns(int64_t chunks, int64_t parts) : StealingRuns(even_bounds(chunks, parts)) {}
+
+  // Runs cut at bounds[0] = 0 <= bounds[1] <= ... <= bounds.back() = chunks (equal_cost_runs's).
+  explicit StealingRuns(const std::vector<int64_t>& bounds)
+      : runs_(std::max<int64_t>(1, static_cast<int64_t>(bounds.size()) - 1)) {
+    for (size_t p = 0; p + 1 < bounds.size(); ++p) runs_[p].bounds.store(pack(bounds[p], bounds[p + 1]));
   }
 
   int64_t parts() const { return static_cast<int64_t>(runs_.size()); }
+
+  // Whether `chunk` is next in run `own`, so that its thread will most likely be handed it (others take
+  // from the back): worth asking for its data ahead.
+  bool is_next_of(int64_t own, int64_t chunk) const {
+    const uint64_t seen = runs_[own].bounds.load(std::memory_order_relaxed);
+    return front(seen) == chunk && chunk < back(seen);
+  }
 
   // The next chunk for the thread of run `own`, or -1 once every chunk has been taken.
   int64_t next(int64_t own) {
@@ -109,6 +119,12 @@ class StealingRuns {
   struct alignas(64) Run {
     std::atomic<uint64_t> bounds{0};
   };
+  static std::vector<int64_t> even_bounds(int64_t chunks, int64_t parts) {
+    parts = std::max<int64_t>(1, parts);
+    std::vector<int64_t> bounds(parts + 1);
+    for (int64_t p = 0; p <= parts; ++p) bounds[p] = chunks * p / parts;
+    return bounds;
+  }
   static uint64_t pack(int64_t front, int64_t back) {
     return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
   }
