@@ -530,9 +530,9 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
 // each with its own length (the causal mask). Each (query, KV head) pair is one piece of work: its
 // G = H / KVH query heads share every key and value it reads, in place. Softmax is exact: every score first,
 // then the weighted sum of values. Each thread takes a contiguous run of pieces of about equal work, then
-// what is left of the others' from their backs (work_split.h), and each piece asks for the next one's keys and values into L2 as it computes
-// (paged_prefetch.h's ContextFetch), unless the next one's query follows another of its table's (a
-// chunk's: those blocks are warm).
+// what is left of the others' from their backs (work_split.h), and each piece asks for the next one's keys
+// and values into L2 as it computes (paged_prefetch.h's ContextFetch), where the thread will most likely
+// take it next, unless its query follows another of its table's (a chunk's: those blocks are warm).
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& block_tables, const int32_t* query_tables,
@@ -552,7 +552,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
   auto attend_here = chunks == 1 ? attend<1, scalar_t> : chunks == 2 ? attend<2, scalar_t>
                    : chunks == 4 ? attend<4, scalar_t> : chunks == 8 ? attend<8, scalar_t> : attend<0, scalar_t>;
   auto table_of = [&](int64_t n) { return tables + (query_tables != nullptr ? query_tables[n] : n) * table_stride; };
-  const int64_t threads = std::max(1, at::get_num_threads()), items = num_seqs * num_kv_heads;
+  const int64_t threads = std::max(1, at::get_num_threads());
   llmq_split::StealingRuns runs(llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads));
 
   llmq_split::for_each_run(runs.parts(), [&](int64_t own) {
@@ -566,8 +566,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
       const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-      const bool fetch_next = item + 1 < items && runs.is_next_of(own, item + 1) &&
-                              llmq_prefetch::first_of_its_table(query_tables, next);
+      const bool fetch_next = runs.is_next_of(own, item + 1) && llmq_prefetch::first_of_its_table(query_tables, next);
       llmq_prefetch::ContextFetch ahead;
       if (fetch_next) {
         ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
@@ -947,8 +946,8 @@ std::vector<int64_t> stealing_runs_order(int64_t chunks, int64_t parts, const st
   return taken;
 }
 
-// Gives every run of the products' column chunks to the calling thread, or not (tests); returns whether it
-// did before.
+// Gives every run of the work split between threads (the products' column chunks, decode attention's
+// pieces) to the calling thread, or not (tests); returns whether it did before.
 bool take_runs_in_one_thread(bool one) { return llmq_split::one_thread_takes_every_run().exchange(one); }
 
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, const c10::optional<torch::Tensor>& bias) {
@@ -1210,7 +1209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
         py::arg("chunks"), py::arg("parts"), py::arg("callers"));
   m.def("take_runs_in_one_thread", &take_runs_in_one_thread,
-        "whether the products' runs of column chunks all go to the calling thread (tests)");
+        "whether every run of the products' and decode attention's work goes to the calling thread (tests)");
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());
   m.def("panel_products", &panel_products, "what runs panel_linear on this CPU: avx512, avx2, or none");

@@ -208,10 +208,10 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache);
   auto* op = reinterpret_cast<uint16_t*>(out);
-  const int64_t threads = std::max(1, at::get_num_threads()), items = num_seqs * num_kv_heads;
+  const int64_t threads = std::max(1, at::get_num_threads());
   llmq_split::StealingRuns runs(llmq_split::balanced_runs(lens, num_seqs, num_kv_heads, threads));
   llmq_split::for_each_run(runs.parts(), [&](int64_t own) {
-    std::optional<Attend> attend_here;  // made at the thread's first piece (the matrix units' configures them)
+    std::optional<Attend> attend_here;  // made at the thread's first piece (TileAttend configures the tiles)
     // The token rows of table row `rows_of`: the first `rows_built` true, the rest up to the query's
     // padded length repeat the last one. Shared by the table's KV heads and by a chunk's queries, each
     // of which reads a prefix.
@@ -242,8 +242,7 @@ void decode_attention(const c10::BFloat16* q, int64_t q_token_stride, int64_t q_
       // The next piece's keys and values, asked for into L2 while this one computes.
       llmq_prefetch::ContextFetch ahead;
       const int64_t next = (item + 1) / num_kv_heads, next_head = (item + 1) % num_kv_heads;
-      if (item + 1 < items && runs.is_next_of(own, item + 1) &&
-          llmq_prefetch::first_of_its_table(query_tables, next)) {
+      if (runs.is_next_of(own, item + 1) && llmq_prefetch::first_of_its_table(query_tables, next)) {
         const int64_t next_row = query_tables != nullptr ? query_tables[next] : next;
         ahead = llmq_prefetch::ContextFetch(reinterpret_cast<const char*>(kp + next_head * cache_head_stride),
                                             reinterpret_cast<const char*>(vp + next_head * cache_head_stride),

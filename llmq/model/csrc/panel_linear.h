@@ -355,7 +355,7 @@ inline void widen(const uint16_t* panel, int64_t k, float* to) {
 template <typename Visit>
 void over_units(int64_t m, int64_t group, int64_t units, int64_t unit_bytes, int64_t scratch_floats,
                 const Visit& visit) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(units, at::get_num_threads()));
+  const int64_t threads = llmq_split::threads_for(units);
   const llmq_split::EqualChunks cut(units, std::max<int64_t>(1, kRunBytes / unit_bytes), threads, kChunksEach);
   llmq_split::StealingRuns shares(cut.chunks, threads);
   llmq_split::for_each_run(threads, [&](int64_t own) {

@@ -224,7 +224,7 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
   // is free: their arithmetic sets the pace, and equal shares finished apart.
   const bool dealt = row_tiles > kFewRowTiles;
   std::atomic<int64_t> next_chunk{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
+  const int64_t threads = llmq_split::threads_for(chunks);
   llmq_split::StealingRuns runs(chunks, threads);
   const auto take = [&](int64_t own) -> int64_t {
     if (!dealt) return runs.next(own);
@@ -289,7 +289,7 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
   const uint16_t* B = w.tiles;
   const PairRuns split(w, row_tiles);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(split.chunks, at::get_num_threads()));
+  const int64_t threads = llmq_split::threads_for(split.chunks);
   llmq_split::StealingRuns runs(split.chunks, threads);
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;

@@ -145,6 +145,11 @@ class StealingRuns {
   std::vector<Run> runs_;
 };
 
+// The threads worth starting for `pieces` pieces of work: as many as torch runs, but none without a piece.
+inline int64_t threads_for(int64_t pieces) {
+  return std::max<int64_t>(1, std::min<int64_t>(pieces, at::get_num_threads()));
+}
+
 // Whether for_each_run gives every run to the calling thread (tests: the order in which a thread done early
 // meets the others' chunks, made certain).
 inline std::atomic<bool>& one_thread_takes_every_run() {
