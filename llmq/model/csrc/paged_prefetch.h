@@ -23,18 +23,26 @@ class ContextFetch {
   // Lines of each of the keys and the values: what `next` has to ask for in all.
   int64_t lines() const { return blocks_ * ((block_bytes_ + 63) / 64); }
 
-  // Asks for the next `count` lines of the keys and as many of the values.
+  // Asks for the next `count` lines of the keys and as many of the values. A block's address is worked out
+  // once, and the position kept in locals: the kernels call this between every few keys, and a loop that
+  // looked up the table and stored the position for every line cost more than the keys' arithmetic.
   void next(int64_t count) {
-    for (; count > 0 && block_ < blocks_; --count) {
-      const int64_t at = static_cast<int64_t>(table_[block_]) * block_bytes_ + offset_;
-      __builtin_prefetch(k_head_ + at, 0, 2);
-      __builtin_prefetch(v_head_ + at, 0, 2);
-      offset_ += 64;
-      if (offset_ >= block_bytes_) {
-        offset_ = 0;
-        ++block_;
+    int64_t block = block_, offset = offset_;
+    while (count > 0 && block < blocks_) {
+      const int64_t at = static_cast<int64_t>(table_[block]) * block_bytes_;
+      const char* k = k_head_ + at;
+      const char* v = v_head_ + at;
+      for (; count > 0 && offset < block_bytes_; --count, offset += 64) {
+        __builtin_prefetch(k + offset, 0, 2);
+        __builtin_prefetch(v + offset, 0, 2);
+      }
+      if (offset >= block_bytes_) {
+        offset = 0;
+        ++block;
       }
     }
+    block_ = block;
+    offset_ = offset;
   }
 
  private:
