@@ -28,11 +28,11 @@ on_a_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is for a C
 KERNELS = [pytest.param("triton", marks=needs_triton), pytest.param("cpu", marks=on_a_cpu)]
 
 
-def _block_tables(lengths: list[int], order: list[int]) -> list[list[int]]:
+def _block_tables(lengths: list[int], order: list[int], block_size: int = BLOCK_SIZE) -> list[list[int]]:
     """Each context length's blocks, taken in turn from `order`."""
     tables, taken = [], 0
     for length in lengths:
-        count = -(-length // BLOCK_SIZE)
+        count = -(-length // block_size)
         tables.append(order[taken: taken + count])
         taken += count
     return tables
@@ -61,9 +61,10 @@ def _step(lengths: list[int], generator: torch.Generator, prefills: tuple[tuple[
 
 
 def _operands(rows: int, head_dim: int, dtype: torch.dtype, generator: torch.Generator,
-              num_blocks: int = NUM_BLOCKS, device: str = "cpu", num_heads: int = NUM_HEADS):
+              num_blocks: int = NUM_BLOCKS, device: str = "cpu", num_heads: int = NUM_HEADS,
+              block_size: int = BLOCK_SIZE):
     """Random caches [KVH, slots, Dh], and a step's q [rows, H, Dh], k and v [rows, KVH, Dh]."""
-    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * BLOCK_SIZE, head_dim, generator=generator)
+    k_cache, v_cache = (torch.randn(NUM_KV_HEADS, num_blocks * block_size, head_dim, generator=generator)
                         .to(device, dtype) for _ in range(2))
     q = torch.randn(rows, num_heads, head_dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(rows, NUM_KV_HEADS, head_dim, generator=generator).to(device, dtype) for _ in range(2))
@@ -221,24 +222,27 @@ def test_the_cpu_kernel_refuses_a_query_table_row_it_does_not_have():
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, dtype):
-    # On AVX2 it scores a block's keys for several query heads of a KV head at once (8, 4, 2 or 1 heads, and
-    # 8 / heads keys, a pass) and sums values two heads at a time where the group is even: every group
-    # size, against a plain softmax over each sequence's context.
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 16])
+def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, dtype, block_size):
+    # On AVX2 and AVX-512 it scores a block's keys for several query heads of a KV head at once (8, 4, 2 or
+    # 1 heads, and 8 / heads keys, a pass) and sums values two heads at a time where the group is even:
+    # every group size, against a plain softmax over each sequence's context; in blocks of 4 keys, and of
+    # 16, where a pass of a block's keys for one head takes eight.
     kernels = native_kernels()
     assert kernels is not None, native_kernels_failure()
     lengths = [1, 3, 4, 9, 31, 70]
     generator = torch.Generator().manual_seed(group)
-    tables = _block_tables(lengths, torch.randperm(NUM_BLOCKS, generator=generator).tolist())
+    tables = _block_tables(lengths, torch.randperm(NUM_BLOCKS, generator=generator).tolist(), block_size)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k_cache, v_cache, q, _, _ = _operands(len(lengths), head_dim, dtype, generator, num_heads=NUM_KV_HEADS * group)
+    k_cache, v_cache, q, _, _ = _operands(len(lengths), head_dim, dtype, generator, num_heads=NUM_KV_HEADS * group,
+                                          block_size=block_size)
     out = torch.empty(len(lengths), NUM_KV_HEADS * group * head_dim, dtype=dtype)
     scale = head_dim ** -0.5
     kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lengths, dtype=torch.int32),
-                                   BLOCK_SIZE, scale, out)
+                                   block_size, scale, out)
     for n, (length, table) in enumerate(zip(lengths, tables)):
-        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
         keys, values = (cache[:, slots].float().repeat_interleave(group, dim=0) for cache in (k_cache, v_cache))
         weights = torch.softmax(q[n].float().unsqueeze(1) @ keys.transpose(1, 2) * scale, dim=-1)
         expected = (weights @ values).reshape(-1)

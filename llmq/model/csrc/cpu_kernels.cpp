@@ -322,15 +322,24 @@ inline fVec dot_lanes(const float* q, const scalar_t* key) {
   }
 }
 
-// Keys whose scores store_lane_sums takes together: eight on AVX2, whose eight lanes hold their eight sums;
-// one elsewhere, where each key's vector is summed alone as soon as it is made.
-#if defined(CPU_CAPABILITY_AVX2)
+// Where the vectors are AVX2's or AVX-512's, store_lane_sums sums eight vectors' lanes at once, and a
+// block's keys are scored for several query heads at a time (score_block); elsewhere each key's vector is
+// summed alone as soon as it is made.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define LLMQ_SUMS_LANES_TOGETHER 1
 constexpr int64_t kKeysTogether = 8;
 #else
 constexpr int64_t kKeysTogether = 1;
 #endif
 
-// Each of kKeysTogether vectors' sum of lanes, into out[0..count): on AVX2 all eight at once in one vector
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX2's _mm256_hadd_ps on AVX-512 vectors, in each 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+inline __m512 pairwise_sums(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+#endif
+
+// Each of kKeysTogether vectors' sum of lanes, into out[0..count): on AVX2 and AVX-512 all eight at once
 // (a transposing tree of pairwise sums), where summing each alone costs a shuffle chain per score.
 // Every vector's lanes are summed in the same order wherever it stands, so a key's score does not depend
 // on the keys beside it.
@@ -343,12 +352,30 @@ inline void store_lane_sums(const fVec* parts, int64_t count, float* out) {
   const __m256 low = _mm256_hadd_ps(p01, p23), high = _mm256_hadd_ps(p45, p67);
   const fVec sums = _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
   sums.store(out, count);
+#elif defined(CPU_CAPABILITY_AVX512)
+  const __m512 p01 = pairwise_sums(parts[0], parts[1]), p23 = pairwise_sums(parts[2], parts[3]);
+  const __m512 p45 = pairwise_sums(parts[4], parts[5]), p67 = pairwise_sums(parts[6], parts[7]);
+  // low: in each of the four 128-bit quarters, lane j holds part j's sum over that quarter's lanes; high:
+  // the same for parts 4-7.
+  const __m512 low = pairwise_sums(p01, p23), high = pairwise_sums(p45, p67);
+  // Quarters: low's first two summed, low's last two, then high's the same.
+  const __m512 halves = _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+  // Quarter 0: parts 0-3's whole sums; quarter 1: parts 4-7's.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(halves, halves, 0x08),
+                                    _mm512_shuffle_f32x4(halves, halves, 0x0D));
+  // All eight in a plain store where they fit: the scores are read back one by one next, and a masked
+  // store cannot pass its data on to those loads, which then wait for it to reach the cache.
+  if (count == 8) {
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(sums));
+  } else {
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1), sums);
+  }
 #else
   for (int64_t j = 0; j < count; ++j) out[j] = sum_lanes(parts[j]);
 #endif
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(LLMQ_SUMS_LANES_TOGETHER)
 // The scores of a block's `count` keys for `group` query heads, kHeads heads and 8 / kHeads keys at a time:
 // each key vector is loaded once for the kHeads heads it serves, into eight running sums, one a (head, key)
 // pair, whose lanes store_lane_sums then sums together. A pair's sum runs over head_dim in the same order
@@ -426,18 +453,18 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
             int64_t length, int64_t block_size, int64_t group, int64_t head_dim, float* scores, float* out,
             llmq_prefetch::ContextFetch* ahead) {
   const int64_t ahead_per_key = ahead != nullptr ? (ahead->lines() + length - 1) / length : 0;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(LLMQ_SUMS_LANES_TOGETHER)
   auto score_here = group % 8 == 0 ? score_block<kChunks, 8, scalar_t> : group % 4 == 0 ? score_block<kChunks, 4, scalar_t>
                   : group % 2 == 0 ? score_block<kChunks, 2, scalar_t> : score_block<kChunks, 1, scalar_t>;
 #endif
-  // Scores, a block at a time (one block-table lookup per block, no division per token). On AVX2, with
-  // heads of whole vectors, score_block takes the block for several heads at once; otherwise within a
-  // block kKeysTogether keys at a time, whose sums of lanes are taken together.
+  // Scores, a block at a time (one block-table lookup per block, no division per token). On AVX2 and
+  // AVX-512, with heads of whole vectors, score_block takes the block for several heads at once; otherwise
+  // each key's dot product alone.
   for (int64_t first = 0; first < length; first += block_size) {
     const int64_t count = std::min(block_size, length - first);
     const scalar_t* keys = k_head + static_cast<int64_t>(table[first / block_size]) * block_size * head_dim;
     if (first + block_size < length) prefetch_block(k_head, table[first / block_size + 1], block_size * head_dim);
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(LLMQ_SUMS_LANES_TOGETHER)
     if constexpr (kChunks > 0) {
       score_here(query, keys, count, group, head_dim, scores + first, length, ahead, ahead_per_key);
       continue;
@@ -464,12 +491,12 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   // Softmax's exponentials; each head's 1 / sum scales its weighted sum of values at the end.
   float inv_total[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / llmq_softmax::exponentiate(scores + g * length, length);
-  // The weighted sum of values. On AVX2, with heads of four or eight vectors and an even group, two heads
-  // at a time, each value vector loaded once for both (weigh_values; four heads at a time measured level
-  // in float32). Otherwise a head at a time: below eight vectors a head, two running sums (even and odd
+  // The weighted sum of values. On AVX2 and AVX-512, with heads of four or eight vectors and an even
+  // group, two heads at a time, each value vector loaded once for both (weigh_values; on AVX2 four heads
+  // at a time measured level in float32). Otherwise a head at a time: below eight vectors a head, two running sums (even and odd
   // tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second would
   // not fit in AVX2's sixteen registers.
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(LLMQ_SUMS_LANES_TOGETHER)
   if constexpr (kChunks >= 4) {
     if (group % 2 == 0) {
       weigh_values<kChunks, 2, scalar_t>(scores, v_head, table, length, block_size, group, head_dim, inv_total, out);
