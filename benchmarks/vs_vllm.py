@@ -19,13 +19,16 @@ llmq, vLLM, llmq, vLLM, ..., every round with fresh prompt ids. Prints each roun
 each adjacent pair's ratio llmq/vLLM and the medians, MFU against the peak matmul rate measured in
 this run in that dtype (the faster of a 2048^2 product and the decode-shaped one below: where a 2048^2
 product's operands stream from memory, as on a CPU with a small L3, it is the slower; each rate the
-fastest of torch's own product and the products llmq runs over prepacked weights here, measured before
-the rounds and after them, the faster taken, as this machine's speed moves between hours), and the
+fastest of torch's own product and the products llmq runs over prepacked weights here), and the
 machine's limit for the workload: the step-time floor max(matmul FLOPs / the measured decode-shaped
 matmul rate, weight bytes / the measured copy bandwidth) for each decode step's batch, summed over the
-workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). While llmq
-runs, vLLM's processes are stopped (SIGSTOP): idle, they still poll for work, which on 2 cores takes CPU
-from the engine being measured (README: Benchmarks).
+workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). The machine
+is measured before the rounds and again after each round, as its speed moves from minute to minute
+(other tenants share its cores and memory): the whole run's limit takes the fastest of every
+measurement, and each round's share of the limit is also given against the limit of the two
+measurements either side of it (the faster of each rate), the machine as it was while that round ran.
+While llmq runs, and while the machine is measured, vLLM's processes are stopped (SIGSTOP): idle, they
+still poll for work, which on 2 cores takes CPU from the engine being measured (README: Benchmarks).
 
 Time on a 2-core machine, after vLLM's install: bench-42m, both dtypes, 3 rounds: about 6 minutes (vLLM's
 engine takes 1.5-2 minutes to start, per dtype); llama-1b bfloat16, 1 round: about 5 minutes.
@@ -120,6 +123,17 @@ def workload_floor(requests, flops_per_token: float, weight_bytes: float, decode
 
 def pair_ratios(llmq_rates: list[float], vllm_rates: list[float]) -> list[float]:
     return [a / b for a, b in zip(llmq_rates, vllm_rates)]
+
+
+def fastest(*measurements: dict) -> dict:
+    """Each of the machine's rates (the same keys in every measurement) at the fastest any measurement saw."""
+    return {key: max(m[key] for m in measurements) for key in measurements[0]}
+
+
+def shares_of_round_limits(rates: list[float], measured_before: list[int], machine: list[dict], limit_of) -> list[float]:
+    """Each round's rate over the limit (limit_of: the machine's rates -> useful tokens/s) of the machine as
+    measured either side of it: measurements measured_before[i] and the next, the faster of each rate."""
+    return [rate / limit_of(fastest(machine[i], machine[i + 1])) for rate, i in zip(rates, measured_before)]
 
 
 # ---- the machine, measured in this run -----------------------------------------------------
@@ -286,10 +300,18 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         return {"square": matmul_rate(2048, 2048, 2048, torch_dtype, repeats=3),
                 "decode": matmul_rate(len(requests), hidden, inter, torch_dtype), "bandwidth": copy_bandwidth()}
 
-    at_start = measure_machine("before the rounds")
+    machine = [measure_machine("before the rounds")]
     flops_per_token = 2 * matmul_params(config)
     weight_bytes = matmul_params(config) * DTYPE_BYTES[dtype]
-    out = {"llmq_tok_s": [], "vllm_tok_s": [], "vllm_error": None}
+    # Each round's rate, and the index in `machine` of the measurement just before it (the next one is
+    # just after it).
+    out = {"llmq_tok_s": [], "vllm_tok_s": [], "llmq_measured_before": [], "vllm_measured_before": [],
+           "vllm_error": None}
+
+    def round_done(system: str, rate: float, label: str) -> None:
+        out[f"{system}_tok_s"].append(rate)
+        out[f"{system}_measured_before"].append(len(machine) - 1)
+        machine.append(measure_machine(f"after {label}"))
 
     log(f"{dtype}: loading llmq")
     engine = LLMEngine(EngineConfig(model=str(folder), dtype=dtype, max_num_seqs=args.max_num_seqs,
@@ -316,8 +338,8 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
             log(f"{dtype} round {r + 1}/{args.rounds}: llmq ...")
             with worker.paused() if worker is not None else contextlib.nullcontext():
                 rate = useful / run_llmq_once(engine, prompts, f"r{r}")
-            out["llmq_tok_s"].append(rate)
-            log(f"{dtype} round {r + 1}/{args.rounds}: llmq {rate:.1f} useful tok/s")
+                log(f"{dtype} round {r + 1}/{args.rounds}: llmq {rate:.1f} useful tok/s")
+                round_done("llmq", rate, f"llmq's round {r + 1}")
             if worker is not None:
                 log(f"{dtype} round {r + 1}/{args.rounds}: vLLM ...")
                 try:
@@ -328,12 +350,9 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
                     worker.close()
                     worker = None
                     continue
-                out["vllm_tok_s"].append(rate)
                 log(f"{dtype} round {r + 1}/{args.rounds}: vLLM {rate:.1f} useful tok/s")
-        # Again after the rounds: this machine's speed moves between hours, and a floor must not be slower
-        # than a product or a copy this run measured.
-        with worker.paused() if worker is not None else contextlib.nullcontext():
-            at_end = measure_machine("after the rounds")
+                with worker.paused():
+                    round_done("vllm", rate, f"vLLM's round {r + 1}")
     finally:
         engine.close()
         del engine
@@ -341,12 +360,12 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         if worker is not None:
             worker.close()
 
-    square, decode, bandwidth = (max(at_start[key], at_end[key]) for key in ("square", "decode", "bandwidth"))
+    # The whole run's floor must not be slower than any product or copy the run measured.
+    square, decode, bandwidth = (fastest(*machine)[key] for key in ("square", "decode", "bandwidth"))
     peak = max(square, decode)
     out.update({"matmul_2048_gflops": square / 1e9, "decode_matmul_gflops": decode / 1e9,
                 "matmul_peak_gflops": peak / 1e9, "copy_gbps": bandwidth / 1e9,
-                "machine_at_start": {key: value / 1e9 for key, value in at_start.items()},
-                "machine_at_end": {key: value / 1e9 for key, value in at_end.items()}})
+                "machine": [{key: value / 1e9 for key, value in m.items()} for m in machine]})
     out["ratios"] = pair_ratios(out["llmq_tok_s"], out["vllm_tok_s"])
     for system in ("llmq", "vllm"):
         rates = out[f"{system}_tok_s"]
@@ -355,32 +374,53 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
     out["ratio_median"] = statistics.median(out["ratios"]) if out["ratios"] else None
     out["step_floor"] = step_floor(len(requests), flops_per_token, weight_bytes, decode, bandwidth)
     head_flops = 2 * config["vocab_size"] * hidden
-    out["workload_floor"] = workload_floor(requests, flops_per_token, weight_bytes, decode, bandwidth, peak, head_flops)
+
+    def floor_at(rates: dict) -> dict:
+        return workload_floor(requests, flops_per_token, weight_bytes, rates["decode"], rates["bandwidth"],
+                              max(rates["square"], rates["decode"]), head_flops)
+
+    out["workload_floor"] = floor_at({"square": square, "decode": decode, "bandwidth": bandwidth})
+    for system in ("llmq", "vllm"):
+        shares = shares_of_round_limits(out[f"{system}_tok_s"], out[f"{system}_measured_before"], machine,
+                                        lambda rates: floor_at(rates)["tokens_per_s"])
+        out[f"{system}_of_round_limit"] = shares
+        out[f"{system}_of_round_limit_median"] = statistics.median(shares) if shares else None
     return out
 
 
 def report(dtype: str, r: dict, requests, config: dict) -> None:
     n = len(requests)
-    start, end = r["machine_at_start"], r["machine_at_end"]
+
+    def spread(key: str, spec: str) -> str:
+        values = [m[key] for m in r["machine"]]
+        return f"{format(min(values), spec)}-{format(max(values), spec)}"
+
     print(f"\n### {dtype}: matmul 2048^2 {r['matmul_2048_gflops']:.0f} GFLOP/s, decode-shaped "
           f"[{n}x{config['hidden_size']}]x[{config['hidden_size']}x{config['intermediate_size']}] "
           f"{r['decode_matmul_gflops']:.0f} GFLOP/s (peak: the faster, {r['matmul_peak_gflops']:.0f}), "
-          f"copy bandwidth {r['copy_gbps']:.1f} GB/s: each the faster of before the rounds "
-          f"({start['square']:.0f}, {start['decode']:.0f}, {start['bandwidth']:.1f}) and after them "
-          f"({end['square']:.0f}, {end['decode']:.0f}, {end['bandwidth']:.1f})")
+          f"copy bandwidth {r['copy_gbps']:.1f} GB/s: each the fastest of {len(r['machine'])} measurements, "
+          f"before the rounds and after each (slowest-fastest: {spread('square', '.0f')}, "
+          f"{spread('decode', '.0f')}, {spread('bandwidth', '.1f')})")
     if r["vllm_error"]:
         print(f"vLLM failed: {r['vllm_error']}")
-    print("| round | llmq useful tok/s | vLLM useful tok/s | llmq / vLLM |\n|---|---|---|---|")
-    for i, rate in enumerate(r["llmq_tok_s"]):
-        other = r["vllm_tok_s"][i] if i < len(r["vllm_tok_s"]) else None
-        ratio = f"{r['ratios'][i]:.2f}x" if i < len(r["ratios"]) else "-"
-        print(f"| {i + 1} | {rate:.1f} | {other:.1f} | {ratio} |" if other else f"| {i + 1} | {rate:.1f} | - | - |")
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def item(values: list, i: int, spec: str) -> str:
+        return fmt(values[i] if i < len(values) else None, spec)
+
+    print("| round | llmq useful tok/s | vLLM useful tok/s | llmq / vLLM | of the round's limit, llmq / vLLM |\n"
+          "|---|---|---|---|---|")
+    for i in range(len(r["llmq_tok_s"])):
+        print(f"| {i + 1} | {item(r['llmq_tok_s'], i, '.1f')} | {item(r['vllm_tok_s'], i, '.1f')} | "
+              f"{item(r['ratios'], i, '.2f')}{'x' if i < len(r['ratios']) else ''} | "
+              f"{item(r['llmq_of_round_limit'], i, '.0%')} / "
+              f"{item(r['vllm_of_round_limit'], i, '.0%')} |")
     print(f"| median | {fmt(r['llmq_median'], '.1f')} | {fmt(r['vllm_median'], '.1f')} | "
-          f"{fmt(r['ratio_median'], '.2f')}x |")
+          f"{fmt(r['ratio_median'], '.2f')}{'x' if r['ratio_median'] else ''} | "
+          f"{fmt(r['llmq_of_round_limit_median'], '.0%')} / "
+          f"{fmt(r['vllm_of_round_limit_median'], '.0%')} |")
     print(f"MFU of the medians: llmq {fmt(r['llmq_mfu'], '.1%')}, vLLM {fmt(r['vllm_mfu'], '.1%')}")
     step, whole = r["step_floor"], r["workload_floor"]
     print(f"limit: a decode step of {n} sequences takes at least {step['seconds'] * 1e3:.1f} ms "
@@ -390,7 +430,9 @@ def report(dtype: str, r: dict, requests, config: dict) -> None:
           f"{whole['tokens_per_s']:.0f} useful tok/s")
     for system, label in (("llmq", "llmq"), ("vllm", "vLLM")):
         if r[f"{system}_median"]:
-            print(f"  {label} reaches {r[f'{system}_median'] / whole['tokens_per_s']:.0%} of the workload's limit")
+            print(f"  {label} reaches {r[f'{system}_median'] / whole['tokens_per_s']:.0%} of the workload's limit "
+                  f"(the run's fastest measurements); {r[f'{system}_of_round_limit_median']:.0%} of each round's "
+                  f"own limit (the machine as measured either side of the round; median of the rounds)")
 
 
 def main() -> None:

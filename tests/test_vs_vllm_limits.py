@@ -4,7 +4,8 @@ import pytest
 
 from benchmarks.bigger_models import MODEL_1B_CONFIG
 from benchmarks.engine_throughput import BENCH_CONFIG
-from benchmarks.vs_vllm import matmul_params, mfu, pair_ratios, step_floor, workload_floor
+from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, shares_of_round_limits, step_floor,
+                                workload_floor)
 
 
 def test_matmul_params_count_the_projections_and_the_lm_head():
@@ -57,3 +58,21 @@ def test_the_decode_batch_shrinks_as_requests_finish():
 
 def test_pair_ratios_divide_adjacent_rounds():
     assert pair_ratios([300.0, 400.0], [600.0, 500.0]) == [0.5, 0.8]
+
+
+def test_fastest_takes_each_rate_from_whichever_measurement_saw_it_highest():
+    before = {"square": 1800.0, "decode": 700.0, "bandwidth": 20.0}
+    after = {"square": 650.0, "decode": 1900.0, "bandwidth": 17.5}
+    assert fastest(before, after) == {"square": 1800.0, "decode": 1900.0, "bandwidth": 20.0}
+    assert fastest(after) == after
+    assert fastest(after, before, {"square": 0.0, "decode": 0.0, "bandwidth": 30.0})["bandwidth"] == 30.0
+
+
+def test_each_round_is_held_to_the_machine_measured_either_side_of_it():
+    # llmq's rounds ran between measurements 0-1 and 2-3, vLLM's between 1-2 and 3-4; a limit of 10
+    # tokens/s per GB/s of bandwidth
+    machine = [{"square": 1.0, "decode": 1.0, "bandwidth": bw} for bw in (20.0, 10.0, 12.0, 16.0, 8.0)]
+    limit = lambda rates: 10 * rates["bandwidth"]  # noqa: E731
+    assert shares_of_round_limits([100.0, 80.0], [0, 2], machine, limit) == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert shares_of_round_limits([60.0, 80.0], [1, 3], machine, limit) == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert shares_of_round_limits([], [], machine, limit) == []
