@@ -493,9 +493,9 @@ void attend(const float* query, const scalar_t* k_head, const scalar_t* v_head, 
   for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / llmq_softmax::exponentiate(scores + g * length, length);
   // The weighted sum of values. On AVX2 and AVX-512, with heads of four or eight vectors and an even
   // group, two heads at a time, each value vector loaded once for both (weigh_values; on AVX2 four heads
-  // at a time measured level in float32). Otherwise a head at a time: below eight vectors a head, two running sums (even and odd
-  // tokens) so that enough multiply-adds are in flight; at eight, one set already is, and a second would
-  // not fit in AVX2's sixteen registers.
+  // at a time measured level in float32). Otherwise a head at a time: below eight vectors a head, two
+  // running sums (even and odd tokens) so that enough multiply-adds are in flight; at eight, one set
+  // already is, and a second would not fit in AVX2's sixteen registers.
 #if defined(LLMQ_SUMS_LANES_TOGETHER)
   if constexpr (kChunks >= 4) {
     if (group % 2 == 0) {
