@@ -1,7 +1,11 @@
 """Helpers shared by the model tests."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from llmq.model.cpu_kernels import native_kernels
 
 
 def scattered_block_tables(contexts: list[int], block_size: int, generator: torch.Generator,
@@ -17,3 +21,16 @@ def scattered_block_tables(contexts: list[int], block_size: int, generator: torc
         tables[row, :count] = order[taken:taken + count]
         taken += count
     return tables, len(order)
+
+
+@contextlib.contextmanager
+def one_thread_takes_every_run():
+    """The fused kernels' work split between threads (work_split.h's runs: the products' column chunks,
+    decode attention's pieces) all taken by the calling thread while inside: its own run, then the others'
+    from their backs, the order in which a thread done early meets another's work."""
+    ops = native_kernels()._ops
+    before = ops.take_runs_in_one_thread(True)
+    try:
+        yield
+    finally:
+        ops.take_runs_in_one_thread(before)

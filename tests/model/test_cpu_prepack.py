@@ -21,6 +21,7 @@ from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
 from llmq.model.row_buckets import buckets_up_to
 from llmq.sampling_params import SamplingParams
+from tests.model.conftest import one_thread_takes_every_run
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.float32), reason="this torch has no oneDNN")
 
@@ -223,13 +224,9 @@ def _tied_columns(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, 
 def _argmax_whoever_takes_the_runs(argmax, x, weight) -> list[torch.Tensor]:
     """argmax(x, weight) as the threads share it out, then with one thread taking every run (its own, then
     the second from its back: the order in which a thread done early meets another's columns)."""
-    ops = native_kernels()._ops
     shared = argmax(x, weight)
-    before = ops.take_runs_in_one_thread(True)
-    try:
+    with one_thread_takes_every_run():
         return [shared, argmax(x, weight)]
-    finally:
-        ops.take_runs_in_one_thread(before)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])

@@ -20,6 +20,7 @@ from llmq.engine.step_input import DecodeGroupInput, PrefillSpanInput, StepInput
 from llmq.model.attention import choose_attention_backend, longest_kernel_prompt, paged_attention
 from llmq.model.cpu_kernels import TORCH_KERNELS, native_kernels, native_kernels_failure
 from llmq.sampling_params import SamplingParams
+from tests.model.conftest import one_thread_takes_every_run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_KV_HEADS, NUM_HEADS, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 4, 128
@@ -115,12 +116,8 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
     torch.testing.assert_close(outs[kernel], outs[None], **tolerance)
     assert (outs[kernel].abs().sum(dim=1) > 0).all()  # every row written
     if kernel == "cpu":  # one thread taking every run, the second's pieces from its back (work_split.h)
-        ops = native_kernels()._ops
-        before = ops.take_runs_in_one_thread(True)
-        try:
+        with one_thread_takes_every_run():
             alone = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
-        finally:
-            ops.take_runs_in_one_thread(before)
         assert torch.equal(alone, outs[kernel])
 
 
