@@ -361,7 +361,8 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
             worker.close()
 
     # The whole run's floor must not be slower than any product or copy the run measured.
-    square, decode, bandwidth = (fastest(*machine)[key] for key in ("square", "decode", "bandwidth"))
+    whole_run = fastest(*machine)
+    square, decode, bandwidth = whole_run["square"], whole_run["decode"], whole_run["bandwidth"]
     peak = max(square, decode)
     out.update({"matmul_2048_gflops": square / 1e9, "decode_matmul_gflops": decode / 1e9,
                 "matmul_peak_gflops": peak / 1e9, "copy_gbps": bandwidth / 1e9,
@@ -379,7 +380,7 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
         return workload_floor(requests, flops_per_token, weight_bytes, rates["decode"], rates["bandwidth"],
                               max(rates["square"], rates["decode"]), head_flops)
 
-    out["workload_floor"] = floor_at({"square": square, "decode": decode, "bandwidth": bandwidth})
+    out["workload_floor"] = floor_at(whole_run)
     for system in ("llmq", "vllm"):
         shares = shares_of_round_limits(out[f"{system}_tok_s"], out[f"{system}_measured_before"], machine,
                                         lambda rates: floor_at(rates)["tokens_per_s"])
