@@ -129,7 +129,7 @@ def test_only_whole_bfloat16_tiles_fit():
     assert not tiles_fit(torch.zeros(32, 172, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tiled_products_agree_with_a_float32_product_rounded_once(tiled_path, rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
@@ -155,7 +155,7 @@ def test_a_paired_gate_up_holds_each_gate_tile_beside_its_up_tile():
     assert not is_paired(tile_weight(weight))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_paired_gate_up_multiplies_as_its_dense_weight_and_fuses_silu_exactly(tiled_path, rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
@@ -229,7 +229,7 @@ def _argmax_whoever_takes_the_runs(argmax, x, weight) -> list[torch.Tensor]:
         return [shared, argmax(x, weight)]
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300, 1100])
 def test_the_argmax_of_a_tiled_product_is_that_of_the_logits_it_would_store(tiled_path, rows):
     """tiled_argmax: each row's argmax over what tiled_linear stores, the first of equal columns, without
     storing it, whichever thread meets which of them first (_tied_columns)."""

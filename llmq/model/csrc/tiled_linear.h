@@ -327,6 +327,13 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   });
 }
 
+// The dot products take a long product's rows (a prefill's) this many at a time, each block of rows
+// over the whole weight in turn. In one pass, every run of the weight's column pairs goes over all the
+// rows, which at a few thousand inputs a row no longer stay in the caches from one run to the next; a
+// block's do (README: CPU kernels, "Long products in row blocks"). A multiple of 32, the rows a pass
+// takes, so that the blocks' passes are the ones a single call would make.
+constexpr int64_t kDotRowBlock = 512;
+
 // a [M, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32 rows handed to
 // emit(c, row tiles, column tiles, first row, pair) as they are done; emit drops rows past M.
 template <typename Emit>
@@ -334,7 +341,14 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
 #ifdef LLMQ_HAS_AMX
   if (on_matrix_units()) return multiply_on_tiles(a, w, emit);
 #endif
-  multiply_in_vectors(a, w, emit);
+  const int64_t m = a.size(0);
+  if (m <= kDotRowBlock) return multiply_in_vectors(a, w, emit);
+  for (int64_t first = 0; first < m; first += kDotRowBlock) {
+    multiply_in_vectors(a.narrow(0, first, std::min(kDotRowBlock, m - first)), w,
+                        [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
+                          emit(c, row_tiles, col_tiles, first + row0, pair);
+                        });
+  }
 }
 
 inline TiledWeight tiled_weight(const at::Tensor& tiles) {
