@@ -327,11 +327,11 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   });
 }
 
-// The dot products take a long product's rows (a prefill's) this many at a time, each block of rows
-// over the whole weight in turn. In one pass, every run of the weight's column pairs goes over all the
-// rows, which at a few thousand inputs a row no longer stay in the caches from one run to the next; a
-// block's do (README: CPU kernels, "Long products in row blocks"). A multiple of 32, the rows a pass
-// takes, so that the blocks' passes are the ones a single call would make.
+// The dot products take a long product's rows (a prefill step's) this many at a time, each block over the
+// whole weight in turn. In one pass every run of the weight's column pairs goes over all of the rows, and
+// at a few thousand inputs a row, a prefill's 2,048 rows measured slower to read again for each run than
+// a block's (README: CPU kernels, "Long products in row blocks"). A multiple of 32, the rows a pass takes,
+// so that the blocks' passes are the ones a single call would make.
 constexpr int64_t kDotRowBlock = 512;
 
 // a [M, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32 rows handed to
