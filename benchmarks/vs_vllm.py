@@ -130,6 +130,12 @@ def fastest(*measurements: dict) -> dict:
     return {key: max(m[key] for m in measurements) for key in measurements[0]}
 
 
+def peak_rate(rates: dict) -> float:
+    """The peak matmul rate of a measurement: the faster of the 2048^2 product and the decode-shaped one.
+    MFU and the prefill's floor both take it."""
+    return max(rates["square"], rates["decode"])
+
+
 def shares_of_round_limits(rates: list[float], measured_before: list[int], machine: list[dict], limit_of) -> list[float]:
     """Each round's rate over the limit (limit_of: the machine's rates -> useful tokens/s) of the machine as
     measured either side of it: measurements measured_before[i] and the next, the faster of each rate."""
@@ -363,7 +369,7 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
     # The whole run's floor must not be slower than any product or copy the run measured.
     whole_run = fastest(*machine)
     square, decode, bandwidth = whole_run["square"], whole_run["decode"], whole_run["bandwidth"]
-    peak = max(square, decode)
+    peak = peak_rate(whole_run)
     out.update({"matmul_2048_gflops": square / 1e9, "decode_matmul_gflops": decode / 1e9,
                 "matmul_peak_gflops": peak / 1e9, "copy_gbps": bandwidth / 1e9,
                 "machine": [{key: value / 1e9 for key, value in m.items()} for m in machine]})
@@ -378,7 +384,7 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
 
     def floor_at(rates: dict) -> dict:
         return workload_floor(requests, flops_per_token, weight_bytes, rates["decode"], rates["bandwidth"],
-                              max(rates["square"], rates["decode"]), head_flops)
+                              peak_rate(rates), head_flops)
 
     out["workload_floor"] = floor_at(whole_run)
     for system in ("llmq", "vllm"):

@@ -4,8 +4,8 @@ import pytest
 
 from benchmarks.bigger_models import MODEL_1B_CONFIG
 from benchmarks.engine_throughput import BENCH_CONFIG
-from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, shares_of_round_limits, step_floor,
-                                workload_floor)
+from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, peak_rate, shares_of_round_limits,
+                                step_floor, workload_floor)
 
 
 def test_matmul_params_count_the_projections_and_the_lm_head():
@@ -76,3 +76,8 @@ def test_each_round_is_held_to_the_machine_measured_either_side_of_it():
     assert shares_of_round_limits([100.0, 80.0], [0, 2], machine, limit) == [pytest.approx(0.5), pytest.approx(0.5)]
     assert shares_of_round_limits([60.0, 80.0], [1, 3], machine, limit) == [pytest.approx(0.5), pytest.approx(0.5)]
     assert shares_of_round_limits([], [], machine, limit) == []
+
+
+def test_the_peak_is_the_faster_of_the_square_and_the_decode_shaped_product():
+    assert peak_rate({"square": 1800.0, "decode": 700.0, "bandwidth": 20.0}) == 1800.0
+    assert peak_rate({"square": 650.0, "decode": 1900.0, "bandwidth": 17.5}) == 1900.0
