@@ -49,8 +49,18 @@ constexpr int64_t kFewRowsChunkBytes = 128 * 1024;
 // The first group's pass asks for the weight tiles this many k-steps ahead into L2: a tile load that
 // misses stalls the matrix units until its bytes arrive (tile registers are not renamed, so nothing is
 // loaded ahead otherwise), and the hardware prefetcher alone runs too short a distance ahead. The dot
-// products' loads are not held up that way: there the prefetch measured level (0, 16 or 48 steps).
+// products take it where a call has a few rows or a long pair (below) and for a thread's first chunk.
 constexpr int64_t kPrefetchSteps = 16;
+// The dot products otherwise ask for a thread's next chunk while they multiply its present one, a few
+// lines at every k-step of every pass (NextChunkFetch): only a chunk's first pass reads it from memory,
+// and asked for all at once, ahead of that pass, the reads came in a burst while the later passes left the
+// memory idle. Spread evenly, the reads overlap the arithmetic (README, CPU kernels: "Next chunk spread
+// over the passes"). Only where the present chunk, the next and a pass's rows fit in L2 together (a 1.1 B
+// model's down projection, 352 KiB a pair, keeps the first pass's prefetch), and from kSpreadRows rows:
+// with fewer, a pass's arithmetic is too short to hide a chunk's reads and the first pass's prefetch,
+// further ahead, kept more of them in flight.
+constexpr int64_t kSpreadChunkBytes = 256 * 1024;
+constexpr int64_t kSpreadRows = 6;
 // Every pass on the matrix units also asks for the weight tiles this many k-steps ahead into L1. A tile
 // load whose 16 lines are in L2 still waits for all 16 to come up, and the matrix units wait with it; with
 // the lines already in L1 they only wait where memory is slower than their arithmetic. It pays most where
@@ -175,14 +185,27 @@ struct PairRuns {
 // keep 16 sums in registers; twelve (24 sums) measured slower at 2,048 rows on an AMD Zen 4.
 constexpr int kDotRows = 8;
 
+// A thread's next chunk of weight tiles, [next, end), asked for into L2 `lines_per_step` lines of 64 bytes
+// at every k-step of the passes over its present chunk (none where lines_per_step is 0).
+struct NextChunkFetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_step = 0;
+
+  void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
 template <int Rows>
 inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
-                     int64_t k_tiles, bool prefetch, const uint16_t* tiles, int64_t pair, int64_t pairs,
-                     int64_t col_blocks, float (*c)[2][kTileRows][16], int first) {
+                     int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, const uint16_t* tiles,
+                     int64_t pair, int64_t pairs, int64_t col_blocks, float (*c)[2][kTileRows][16], int first) {
   __m512 acc[Rows][2];
   for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (prefetch) prefetch_weight_step(tiles, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
+    next_chunk.step();
     const uint16_t* t0 = b0 + kt * kTileElements;
     const uint16_t* t1 = b1 + kt * kTileElements;
     const uint16_t* a = a0 + kt * kTileInputs;
@@ -291,10 +314,24 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const PairRuns split(w, row_tiles);
   const int64_t threads = llmq_split::threads_for(split.chunks);
   llmq_split::StealingRuns runs(split.chunks, threads);
+  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2, weight_bytes = col_blocks * k_tiles * kTileElements * 2;
+  const bool spread = m >= kSpreadRows && split.per_chunk * pair_bytes <= kSpreadChunkBytes;
+  const int64_t passes_per_pair = (m + kDotRows - 1) / kDotRows;
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
+    int64_t fetched = -1;  // the chunk asked for while the thread multiplied its last one
     for (int64_t chunk = runs.next(own); chunk >= 0; chunk = runs.next(own)) {
       const int64_t last_pair = std::min(split.pairs, (chunk + 1) * split.per_chunk);
+      NextChunkFetch next_chunk;
+      if (spread && runs.is_next_of(own, chunk + 1)) {
+        const auto* tiles = reinterpret_cast<const char*>(B);
+        next_chunk.next = tiles + (chunk + 1) * split.per_chunk * pair_bytes;
+        next_chunk.end = tiles + std::min((chunk + 2) * split.per_chunk * pair_bytes, weight_bytes);
+        const int64_t steps = (last_pair - chunk * split.per_chunk) * passes_per_pair * k_tiles;
+        next_chunk.lines_per_step = ((next_chunk.end - next_chunk.next) / 64 + steps - 1) / steps;
+      }
+      const bool prefetch_first_pass = chunk != fetched;
+      fetched = next_chunk.lines_per_step > 0 ? chunk + 1 : -1;
       for (int64_t row0 = 0; row0 < m; row0 += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - row0);
         for (int64_t pair = chunk * split.per_chunk; pair < last_pair; ++pair) {
@@ -304,9 +341,9 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
           const uint16_t* b1 = b0 + k_tiles * kTileElements;
           for (int first = 0; first < rows; first += kDotRows) {
             const uint16_t* a0 = A + (row0 + first) * k;
-            const bool prefetch = row0 == 0 && first == 0;
+            const bool prefetch = prefetch_first_pass && row0 == 0 && first == 0;
 #define LLMQ_DOT_ROWS(R)                                                                                   \
-  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, B, pair, split.pairs, col_blocks, c, first); \
+  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, B, pair, split.pairs, col_blocks, c, first); \
   break;
             switch (std::min<int64_t>(kDotRows, rows - first)) {
               case 1: LLMQ_DOT_ROWS(1)
