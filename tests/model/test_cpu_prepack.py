@@ -145,6 +145,22 @@ def test_tiled_products_agree_with_a_float32_product_rounded_once(tiled_path, ro
     assert torch.equal(linear(wide, tile_weight(weight), bias), out)
 
 
+@pytest.mark.parametrize("rows", [5, 6, 64])
+def test_tiled_products_over_many_chunks_a_thread_agree_with_a_float32_product(tiled_path, rows):
+    """A weight of 64 column pairs of 16 k-steps: several chunks for each thread, so that from 6 rows the
+    dot products ask for a thread's next chunk while they multiply its present one (NextChunkFetch), and
+    below that the first pass's prefetch runs on. The same products either way, and whichever thread
+    takes which chunks."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2048, 512, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16)
+    tiles = tile_weight(weight)
+    out = linear(x, tiles, None)
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, rtol=2 ** -7, atol=1e-3)
+    with one_thread_takes_every_run():
+        assert torch.equal(linear(x, tiles, None), out)
+
+
 def test_a_paired_gate_up_holds_each_gate_tile_beside_its_up_tile():
     weight = torch.arange(64 * 64, dtype=torch.float32).view(64, 64).to(torch.bfloat16)  # gate: rows 0-31, up: 32-63
     paired = tile_gate_up(weight)
