@@ -173,8 +173,8 @@ class NativeKernels(TorchKernels):
 
     def layer_rows_at_once(self, layer) -> int | None:
         """The rows decoder_layer takes through `layer` at a time (a longer step's in groups of this many),
-        or None where it does not take the layer: more where its products run in tiles on the matrix units
-        (csrc/cpu_kernels.cpp, kTiledLayerRowsAtOnce)."""
+        or None where it does not take the layer: more where its products run in tiles, on the matrix units
+        or in AVX512-BF16's dot products (csrc/cpu_kernels.cpp, kTiledLayerRowsAtOnce)."""
         weights = self._layer_weights(layer)
         return None if weights is None else self._ops.layer_rows_at_once(weights)
 

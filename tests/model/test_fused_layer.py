@@ -93,8 +93,7 @@ def test_the_fused_layer_generates_exactly_what_the_layers_python_does(tiled_mod
 
 
 def _rows_at_once(llm) -> int:
-    """The rows the C++ layer takes at once with this engine's weights (256; 2,048 in tiles on the matrix
-    units)."""
+    """The rows the C++ layer takes at once with this engine's weights (256; 2,048 in tiles)."""
     layer = llm.engine.model_runner.model.model.layers[0]
     at_once = cpu_kernels.native_kernels().layer_rows_at_once(layer)
     assert at_once is not None

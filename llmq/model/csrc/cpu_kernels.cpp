@@ -1154,20 +1154,17 @@ std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor
 // pass; this many at a time stay in the caches, at the cost of reading the layer's weights once for
 // each of them, which the products at this many rows hide (benchmarks/product_shapes.py).
 constexpr int64_t kLayerRowsAtOnce = 256;
-// Where the products run in tiles on the matrix units, a layer takes this many: a tiled product keeps its
-// own inputs in L2 (every group of 32 rows passes over a run of weight tiles while the run stays there),
-// so more rows at once read each weight fewer times, and measured faster up to a step's 2,048 (README: CPU
-// kernels). oneDNN's products (float32 here) measured slower at 2,048.
+// Where the products run in tiles, a layer takes this many: a tiled product keeps its own inputs in L2
+// (every group of 32 rows passes over a run of weight tiles while the run stays there; the dot products
+// take a long product 512 rows at a time, kDotRowBlock), so more rows at once read each weight fewer
+// times and make fewer, longer calls, and measured faster up to a step's 2,048: on the matrix units, and
+// in AVX512-BF16's dot products (README: CPU kernels). oneDNN's products and the float32 panels measured
+// slower at 2,048.
 constexpr int64_t kTiledLayerRowsAtOnce = 2048;
 
 // The rows decoder_layer takes through a layer at once with these weights.
 int64_t layer_rows_at_once(const LayerWeights& w) {
-#ifdef LLMQ_HAS_AMX
-  if (in_tiles(w.gate_up) && llmq_tiled::on_matrix_units()) return kTiledLayerRowsAtOnce;
-#else
-  (void)w;
-#endif
-  return kLayerRowsAtOnce;
+  return in_tiles(w.gate_up) ? kTiledLayerRowsAtOnce : kLayerRowsAtOnce;
 }
 
 // llama.py's LlamaDecoderLayer.forward, each operation the fused kernel the model would call, in one call
