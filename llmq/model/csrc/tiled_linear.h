@@ -314,7 +314,8 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const PairRuns split(w, row_tiles);
   const int64_t threads = llmq_split::threads_for(split.chunks);
   llmq_split::StealingRuns runs(split.chunks, threads);
-  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2, weight_bytes = col_blocks * k_tiles * kTileElements * 2;
+  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2;
+  const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
   const bool spread = m >= kSpreadRows && split.per_chunk * pair_bytes <= kSpreadChunkBytes;
   const int64_t passes_per_pair = (m + kDotRows - 1) / kDotRows;
   llmq_split::for_each_run(threads, [&](int64_t own) {
@@ -343,7 +344,8 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
             const uint16_t* a0 = A + (row0 + first) * k;
             const bool prefetch = prefetch_first_pass && row0 == 0 && first == 0;
 #define LLMQ_DOT_ROWS(R)                                                                                   \
-  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, B, pair, split.pairs, col_blocks, c, first); \
+  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, B, pair, split.pairs, col_blocks, c, \
+              first);                                                                                      \
   break;
             switch (std::min<int64_t>(kDotRows, rows - first)) {
               case 1: LLMQ_DOT_ROWS(1)
