@@ -180,11 +180,6 @@ struct PairRuns {
   }
 };
 
-// Rows (at most kDotRows) rows of a, from `a0` (row stride k), times one column pair's tiles b0 (and b1
-// where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32). Eight rows
-// keep 16 sums in registers; twelve (24 sums) measured slower at 2,048 rows on an AMD Zen 4.
-constexpr int kDotRows = 8;
-
 // A thread's next chunk of weight tiles, [next, end), asked for into L2 `lines_per_step` lines of 64 bytes
 // at every k-step of the passes over its present chunk (none where lines_per_step is 0).
 struct NextChunkFetch {
@@ -196,6 +191,12 @@ struct NextChunkFetch {
     for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
   }
 };
+
+// Rows (at most kDotRows) rows of a, from `a0` (row stride k), times one column pair's tiles b0 (and b1
+// where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32), asking for
+// next_chunk's lines as it goes. Eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
+// 2,048 rows on an AMD Zen 4.
+constexpr int kDotRows = 8;
 
 template <int Rows>
 inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
