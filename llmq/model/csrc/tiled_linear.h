@@ -169,10 +169,11 @@ inline at::Tensor padded_rows(const at::Tensor& input, const at::Tensor& tiles, 
 // kFewRowsChunkBytes for up to kFewRowTiles row tiles), as many for each thread, of (nearly) equal length.
 struct PairRuns {
   int64_t pairs, per_chunk, chunks;
+  int64_t pair_bytes;  // a column pair's tiles (both blocks), laid out one pair after the other
 
   PairRuns(const TiledWeight& w, int64_t row_tiles) {
     pairs = (w.col_blocks + 1) / 2;
-    const int64_t pair_bytes = 2 * w.k_tiles * kTileElements * 2;
+    pair_bytes = 2 * w.k_tiles * kTileElements * 2;
     const int64_t chunk_bytes = row_tiles <= kFewRowTiles ? kFewRowsChunkBytes : kChunkBytes;
     const llmq_split::EqualChunks cut(pairs, std::max<int64_t>(1, chunk_bytes / pair_bytes), at::get_num_threads());
     per_chunk = cut.per_chunk;
@@ -315,9 +316,9 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const PairRuns split(w, row_tiles);
   const int64_t threads = llmq_split::threads_for(split.chunks);
   llmq_split::StealingRuns runs(split.chunks, threads);
-  const int64_t pair_bytes = 2 * k_tiles * kTileElements * 2;
+  const int64_t chunk_bytes = split.per_chunk * split.pair_bytes;
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
-  const bool spread = m >= kSpreadRows && split.per_chunk * pair_bytes <= kSpreadChunkBytes;
+  const bool spread = m >= kSpreadRows && chunk_bytes <= kSpreadChunkBytes;
   const int64_t passes_per_pair = (m + kDotRows - 1) / kDotRows;
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
@@ -327,8 +328,8 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
       NextChunkFetch next_chunk;
       if (spread && runs.is_next_of(own, chunk + 1)) {
         const auto* tiles = reinterpret_cast<const char*>(B);
-        next_chunk.next = tiles + (chunk + 1) * split.per_chunk * pair_bytes;
-        next_chunk.end = tiles + std::min((chunk + 2) * split.per_chunk * pair_bytes, weight_bytes);
+        next_chunk.next = tiles + (chunk + 1) * chunk_bytes;
+        next_chunk.end = tiles + std::min((chunk + 2) * chunk_bytes, weight_bytes);
         const int64_t steps = (last_pair - chunk * split.per_chunk) * passes_per_pair * k_tiles;
         next_chunk.lines_per_step = ((next_chunk.end - next_chunk.next) / 64 + steps - 1) / steps;
       }
