@@ -58,6 +58,9 @@ class EngineConfig:
     quantization_group_size: int = 128
     # On a CPU, pack the float weight matrices once for oneDNN's products (llmq/model/cpu_prepack.py).
     prepack_weights: bool = True
+    # On a CPU with AVX512-VNNI, greedy steps' tokens through an int8 copy of the LM head that rules out
+    # most columns before the head multiplies the rest: the same tokens (llmq/model/greedy_screen.py).
+    screen_greedy_head: bool = True
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # On a CPU, the fused C++ kernels for norms, rotary, SiLU and decode attention (llmq/model/cpu_kernels.py),
     # built at first use. None: where they build (a C++ compiler and ninja), else plain PyTorch with a

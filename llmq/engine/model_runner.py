@@ -29,6 +29,7 @@ from llmq.model.cpu_kernels import (TORCH_KERNELS, TorchKernels, is_paneled, is_
                                     native_kernels_failure)
 from llmq.model.cpu_prepack import build_kernels, packed_for_onednn, prepack_linears
 from llmq.model.device_copy import to_device
+from llmq.model.greedy_screen import add_greedy_screen
 from llmq.model.huge_pages import huge_page_zeros
 from llmq.model.loader import load_model
 from llmq.model.model_config import ModelConfig
@@ -119,6 +120,8 @@ class ModelRunner:
         self.num_prepacked = (prepack_linears(self.model, tiles=self.kernels.tiled_products is not None,
                                               panels=self.kernels.panel_dtypes)
                               if self.device.type == "cpu" and config.prepack_weights else 0)
+        self.screened_head = (self.device.type == "cpu" and config.prepack_weights and config.screen_greedy_head
+                              and world == 1 and add_greedy_screen(self.model, self.kernels))
         self.num_tiled = sum(1 for p in self.model.parameters() if is_tiled(p))
         self.num_paneled = sum(1 for p in self.model.parameters() if is_paneled(p))
         self.model.pad_rows = packed_for_onednn(self.model) > 0
@@ -156,6 +159,8 @@ class ModelRunner:
         packed = (f"; {self.num_prepacked} weight matrices prepacked ("
                   + ", ".join(f"{count} {layout}" for count, layout in layouts if count) + ")"
                   if self.num_prepacked else "")
+        if self.screened_head:
+            packed += "; greedy tokens screened by an int8 copy of the LM head"
         log.info("%s%s; %s (%s)%s; %s kernels, %s attention; %d CPU threads", self.budget.describe(),
                  self._rank_label(), self.dtype_choice.name, self.dtype_choice.reason, packed, self.kernels.name,
                  self.attention_backend, torch.get_num_threads())

@@ -113,6 +113,9 @@ class NativeKernels(TorchKernels):
         # measured against.
         self.panel_dtypes = {"avx2": (torch.float32, torch.bfloat16), "avx512": (torch.float32,)}.get(
             self.panel_products, ())
+        # Whether a greedy step's argmax can come through an int8 screen of the LM head (csrc/greedy_screen.h,
+        # cpu_prepack.add_greedy_screen): on a CPU with AVX512-VNNI.
+        self.screens_greedy_head = bool(module.screens_greedy_head())
 
     def rms_norm(self, x, weight, eps):
         if x.is_cpu and x.dim() == 2 and x.stride(1) == 1:
@@ -318,6 +321,17 @@ def panel_argmax(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equals) of x @ W.T, for W laid out in panels: what argmax_rows of
     panel_linear(x, panels, None) gives, without storing the product."""
     return _loaded._ops.panel_argmax(x, panels)
+
+
+def screened_argmax(x: torch.Tensor, head: torch.Tensor, screen: torch.Tensor, terms: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+    """What tiled_argmax or panel_argmax (float32) of x and the LM head `head` gives, each row's candidates
+    found by the head's int8 screen (greedy_screen.screen_weight: `screen`, `terms`) and only they
+    multiplied by `head` itself (csrc/greedy_screen.h). Adds to counts (int64 [3]) the rows, the blocks
+    of 16 columns multiplied again, and the rows the screen left to the whole product."""
+    if is_paneled(head):
+        return _loaded._ops.screened_panel_argmax(x, head, screen, terms, counts)
+    return _loaded._ops.screened_tiled_argmax(x, head, screen, terms, counts)
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

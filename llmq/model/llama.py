@@ -208,7 +208,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [S, hidden] -> [S]: each row's argmax over the logits compute_logits would give (the
         first of equals), which are never stored, where has_greedy_head (cpu_kernels.tiled_argmax and
         panel_argmax)."""
-        weight = self.lm_head.weight
+        weight, screen = self.lm_head.weight, self.lm_head._modules.get("greedy_screen")
+        if screen is not None and screen.pays:  # llmq/model/greedy_screen.py: the same tokens, less of the product
+            return screen.argmax(self._head_input(hidden), weight)[:hidden.shape[0]]
         argmax = panel_argmax if is_paneled(weight) else tiled_argmax
         return argmax(self._head_input(hidden), weight)[:hidden.shape[0]]
 

@@ -34,6 +34,7 @@
 #include "tiled_linear.h"
 #include "decode_attention_amx.h"
 #include "decode_attention_bf16.h"
+#include "greedy_screen.h"
 #include "paged_prefetch.h"
 #include "prompt_attention.h"
 #include "prompt_attention_amx.h"
@@ -1013,6 +1014,101 @@ torch::Tensor tiled_silu_and_mul(const torch::Tensor& x, const torch::Tensor& ti
 #endif
 }
 
+// ---- a greedy step's tokens through an int8 screen of the LM head (greedy_screen.h) -----------
+
+// Whether this build screens: on a CPU with AVX512-VNNI.
+bool screens_greedy_head() {
+#ifdef LLMQ_HAS_GREEDY_SCREEN
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef LLMQ_HAS_GREEDY_SCREEN
+llmq_screen::Screen screen_of(const torch::Tensor& screen, const torch::Tensor& terms, int64_t n, int64_t k) {
+  TORCH_CHECK(screen.scalar_type() == at::kByte && screen.is_contiguous() && screen.dim() == 2 &&
+                  screen.size(0) * llmq_screen::kColumns == n && screen.size(1) == k * llmq_screen::kColumns,
+              "screened argmax: the screen must be uint8 [N/16, 16 K], contiguous (greedy_screen.screen_weight)");
+  TORCH_CHECK(terms.scalar_type() == at::kFloat && terms.is_contiguous() && terms.dim() == 2 && terms.size(0) == 3 &&
+                  terms.size(1) == n,
+              "screened argmax: the terms must be float32 [3, N], contiguous (greedy_screen.screen_weight)");
+  TORCH_CHECK(k % llmq_screen::kQuad == 0, "screened argmax: the inputs must be a multiple of 4");
+  return {screen.data_ptr<uint8_t>(), terms.data_ptr<float>(), n, k};
+}
+
+// The rows the screen left (`whole`) through the head's whole product, `argmax` of a [rows, K] tensor.
+// counts: int64 [3], which screened_argmax adds to.
+int64_t* counts_of(const torch::Tensor& counts) {
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && counts.numel() == 3,
+              "screened argmax: counts must be int64 [3]");
+  return counts.data_ptr<int64_t>();
+}
+
+template <typename Argmax>
+void argmax_of_rows_left(const torch::Tensor& x, const std::vector<int64_t>& whole, torch::Tensor& out,
+                         const Argmax& argmax) {
+  if (whole.empty()) return;
+  const torch::Tensor rows = torch::tensor(whole, out.options());
+  out.index_put_({rows}, argmax(x.index_select(0, rows)));
+}
+#endif
+
+// tiled_argmax(x, tiles), its candidates found by the int8 screen (greedy_screen.screen_weight of the same
+// weight) and multiplied again by the same dot products. On the matrix units, the whole product.
+torch::Tensor screened_tiled_argmax(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& screen,
+                                   const torch::Tensor& terms, const torch::Tensor& counts) {
+#if defined(LLMQ_HAS_TILED_LINEAR) && defined(LLMQ_HAS_GREEDY_SCREEN)
+  check_cpu(x, "x");
+  using namespace llmq_tiled;
+  if (on_matrix_units()) return argmax_of_product(x, tiles);
+  TORCH_CHECK(tiles.dim() == 4, "screened_tiled_argmax: tiles must be [V/16, K/32, 16, 32] (not paired)");
+  const torch::Tensor a = padded_rows(x, tiles, "screened_tiled_argmax");
+  const TiledWeight w = tiled_weight(tiles);
+  const int64_t m = a.size(0), k = w.k_tiles * kTileInputs;
+  torch::Tensor out = torch::zeros({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  const auto* rows = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const auto exact = [&](int64_t row, const int64_t* blocks, int count, float (*logits)[16]) {
+    row_times_blocks(rows + row * k, w.k_tiles, w.tiles, blocks, count, logits);
+  };
+  const std::vector<int64_t> whole = llmq_screen::screened_argmax(
+      a.to(at::kFloat), screen_of(screen, terms, w.col_blocks * 16, k), /*rounded=*/true, exact, out.data_ptr<int64_t>(),
+      counts_of(counts));
+  argmax_of_rows_left(a, whole, out, [&](const torch::Tensor& some) { return argmax_of_product(some, tiles); });
+  return out;
+#else
+  TORCH_CHECK(false, "screened_tiled_argmax: this build has no AVX512-BF16 or no AVX512-VNNI");
+#endif
+}
+
+// panel_argmax(x, panels) for float32 panels, its candidates found by the int8 screen and multiplied again
+// by the same panel products.
+torch::Tensor screened_panel_argmax(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& screen,
+                                   const torch::Tensor& terms, const torch::Tensor& counts) {
+#if defined(LLMQ_HAS_PANEL_LINEAR) && defined(__AVX512F__) && defined(LLMQ_HAS_GREEDY_SCREEN)
+  check_cpu(x, "x");
+  using namespace llmq_panels;
+  TORCH_CHECK(panels.scalar_type() == at::kFloat, "screened_panel_argmax: float32 panels");
+  const auto [rows, unused_bias] = float_operands(x, panels, c10::nullopt, "screened_panel_argmax");
+  const int64_t m = rows.size(0), k = panels.size(1);
+  torch::Tensor out = torch::zeros({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  const float* values = rows.data_ptr<float>();
+  const float* weights = panels.data_ptr<float>();
+  const auto exact = [&](int64_t row, const int64_t* which, int count, float (*logits)[16]) {
+    row_times_panels(values + row * k, k, weights, which, count, logits);
+  };
+  const std::vector<int64_t> whole = llmq_screen::screened_argmax(
+      rows, screen_of(screen, terms, panels.size(0) * kPanelColumns, k), /*rounded=*/false, exact,
+      out.data_ptr<int64_t>(), counts_of(counts));
+  argmax_of_rows_left(rows, whole, out, [&](const torch::Tensor& some) { return argmax_of_product(some, panels); });
+  return out;
+#else
+  TORCH_CHECK(false, "screened_panel_argmax: this build has no AVX-512 panel products or no AVX512-VNNI");
+#endif
+}
+
 // ---- float32 products over weights laid out in panels (float32 or bfloat16) --------------------
 
 // What runs panel_linear here: "avx512" or "avx2" (their fused multiply-adds), or "" where this build does
@@ -1256,6 +1352,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_tables"), py::arg("block_size"));
   m.def("panel_argmax", &panel_argmax, "each row's argmax of x @ W.T, W in panels, without storing it");
   m.def("tiled_argmax", &tiled_argmax, "each row's argmax of x @ W.T in bfloat16, W in tiles, without storing it");
+  m.def("screens_greedy_head", &screens_greedy_head, "whether screened_*_argmax run here (AVX512-VNNI)");
+  m.def("screened_tiled_argmax", &screened_tiled_argmax, "tiled_argmax, its candidates found by an int8 screen",
+        py::arg("x"), py::arg("tiles"), py::arg("screen"), py::arg("terms"), py::arg("counts"));
+  m.def("screened_panel_argmax", &screened_panel_argmax, "panel_argmax (float32), its candidates found by an int8 screen",
+        py::arg("x"), py::arg("panels"), py::arg("screen"), py::arg("terms"), py::arg("counts"));
   m.def("tiled_silu_and_mul", &tiled_silu_and_mul,
         "silu(x @ gate.T) * (x @ up.T) in bfloat16, gate and up laid out paired in tiles",
         py::arg("x"), py::arg("tiles"), py::arg("bias") = py::none());

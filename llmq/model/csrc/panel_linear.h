@@ -138,6 +138,27 @@ inline void panel_rows(const float* packed, const W* panel, int64_t k, const flo
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm512_add_ps(sums[r], b));
 }
 
+// One row of float32 inputs (k of them) times `count` (at most 8) float32 panels, `which`, into out[j]: each
+// panel's 16 sums made as panel_rows makes them, one multiply-add an input in order (its slices carry the
+// sums on exactly), so they are the same sums (greedy_screen.h multiplies a row's candidate panels again
+// with it). The panels' chains run side by side.
+inline void row_times_panels(const float* a, int64_t k, const float* panels, const int64_t* which, int count,
+                             float (*out)[16]) {
+  constexpr int kMost = 8;
+  const float* p[kMost];
+  __m512 acc[kMost];
+  for (int j = 0; j < kMost; ++j) {  // past `count`, the last panel again: the chains cost nothing extra
+    p[j] = panels + which[std::min(j, count - 1)] * k * kPanelColumns;
+    acc[j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const __m512 x = _mm512_set1_ps(a[i]);
+#pragma GCC unroll 8
+    for (int j = 0; j < kMost; ++j) acc[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(p[j] + i * kPanelColumns), acc[j]);
+  }
+  for (int j = 0; j < count; ++j) _mm512_storeu_ps(out[j], acc[j]);
+}
+
 #else
 // Eight float32 sums rounded to bfloat16 bits in the low halves of their lanes: to nearest, ties to even,
 // NaN to the quiet NaN, as c10::BFloat16 rounds.

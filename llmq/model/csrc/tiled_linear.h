@@ -181,17 +181,7 @@ struct PairRuns {
   }
 };
 
-// A thread's next chunk of weight tiles, [next, end), asked for into L2 `lines_per_step` lines of 64 bytes
-// at every k-step of the passes over its present chunk (none where lines_per_step is 0).
-struct NextChunkFetch {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t lines_per_step = 0;
-
-  void step() {
-    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
-  }
-};
+using llmq_split::NextChunkFetch;
 
 // Rows (at most kDotRows) rows of a, from `a0` (row stride k), times one column pair's tiles b0 (and b1
 // where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32), asking for
@@ -304,6 +294,31 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
   });
 }
 #endif
+
+// One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
+// made as dot_rows makes them, step for step, so they are the same sums (greedy_screen.h multiplies a
+// row's candidate blocks again with it). The blocks' chains of dot products run side by side.
+inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
+                             int count, float (*out)[16]) {
+  constexpr int kMost = 8;
+  const uint16_t* b[kMost];
+  __m512 acc[kMost];
+  for (int j = 0; j < kMost; ++j) {  // past `count`, the last block again: the chains cost nothing extra
+    b[j] = tiles + blocks[std::min(j, count - 1)] * k_tiles * kTileElements;
+    acc[j] = _mm512_setzero_ps();
+  }
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    for (int r = 0; r < kTileRows; ++r) {
+      int32_t both;
+      std::memcpy(&both, a + kt * kTileInputs + 2 * r, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
+#pragma GCC unroll 8
+      for (int j = 0; j < kMost; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], x, (__m512bh)_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs));
+    }
+  }
+  for (int j = 0; j < count; ++j) _mm512_storeu_ps(out[j], acc[j]);
+}
 
 // `multiply` in AVX512-BF16's dot products, for a [M, K] of any M: the same runs and passes, each pass's
 // rows taken kDotRows at a time with their sums in registers.

@@ -165,4 +165,17 @@ void for_each_run(int64_t parts, const Body& body) {
   at::parallel_for(0, parts, 1, [&](int64_t own, int64_t) { body(own); });
 }
 
+// A thread's next chunk of a weight, [next, end), asked for into L2 `lines_per_step` lines of 64 bytes at
+// every step of the passes over its present chunk (none where lines_per_step is 0): the memory's reads
+// then overlap all of the chunk's arithmetic, not only its first pass's (the later ones find it in L2).
+struct NextChunkFetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_step = 0;
+
+  void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
 }  // namespace llmq_split
