@@ -32,7 +32,10 @@ namespace llmq_screen {
 
 constexpr int64_t kColumns = 16;  // a block of columns: one register's int32 lanes
 constexpr int64_t kQuad = 4;      // the inputs one lane sums in one instruction
-constexpr int kScreenRows = 8;    // rows whose sums stay in registers, for two blocks each
+constexpr int kScreenRows = 8;    // rows whose sums stay in registers, for kScreenBlocks blocks each
+// Blocks a pass takes at once: 24 sums, their 3 blocks' weights and a row's broadcast inputs in 28 of
+// AVX-512's 32 registers (two blocks, one broadcast to every two instructions, measured slower).
+constexpr int kScreenBlocks = 3;
 // A thread's blocks are taken this many at a time, kept in its L2 while every group of rows passes over them
 // (16 x K bytes a block: 256 KiB at 1,024 inputs).
 constexpr int64_t kChunkBytes = 256 * 1024;
@@ -127,24 +130,26 @@ struct RowCandidates {
   RowCandidates() { std::fill_n(lane_floor, kColumns, -std::numeric_limits<float>::infinity()); }
 };
 
-// Rows row0 .. row0 + Rows - 1 against blocks b and b + 1 (just b where !two): their int32 sums, then each
+// Rows row0 .. row0 + Rows - 1 against blocks b .. b + count - 1 (count <= 3): their int32 sums, then each
 // column's range, kept where it can hold the row's argmax. `rounded`: the argmax is over logits rounded to
 // bfloat16, so a column within the rounding of the floor may tie it.
 template <int Rows>
 inline void screen_rows(const Screen& s, const int8_t* quads, const ScreenRow* rows, int64_t row0, int64_t b,
-                        bool two, bool rounded, RowCandidates* kept,
-                        llmq_split::NextChunkFetch& ahead) {
+                        int count, bool rounded, RowCandidates* kept, llmq_split::NextChunkFetch& ahead) {
   const int64_t steps = s.k / kQuad;
   const uint8_t* w0 = s.q + b * steps * 64;
-  const uint8_t* w1 = two ? w0 + steps * 64 : w0;
+  const uint8_t* w1 = count > 1 ? w0 + steps * 64 : w0;  // past count, block b again (its sums unread)
+  const uint8_t* w2 = count > 2 ? w0 + 2 * steps * 64 : w0;
   const int8_t* x0 = quads + row0 * s.k;
   // Named sums, not an array: GCC moves an array's registers about on every step.
   __m512i p0 = _mm512_setzero_si512(), p1 = p0, p2 = p0, p3 = p0, p4 = p0, p5 = p0, p6 = p0, p7 = p0;
   __m512i r0 = p0, r1 = p0, r2 = p0, r3 = p0, r4 = p0, r5 = p0, r6 = p0, r7 = p0;
+  __m512i u0 = p0, u1 = p0, u2 = p0, u3 = p0, u4 = p0, u5 = p0, u6 = p0, u7 = p0;
   for (int64_t t = 0; t < steps; ++t) {
     ahead.step();
     const __m512i b0 = _mm512_loadu_si512(w0 + t * 64);
     const __m512i b1 = _mm512_loadu_si512(w1 + t * 64);
+    const __m512i b2 = _mm512_loadu_si512(w2 + t * 64);
 #define LLMQ_SCREEN_ROW(R)                                                           \
   if constexpr (Rows > R) {                                                          \
     int32_t four;                                                                    \
@@ -152,21 +157,23 @@ inline void screen_rows(const Screen& s, const int8_t* quads, const ScreenRow* r
     const __m512i x = _mm512_set1_epi32(four);                                       \
     p##R = _mm512_dpbusd_epi32(p##R, b0, x);                                         \
     r##R = _mm512_dpbusd_epi32(r##R, b1, x);                                         \
+    u##R = _mm512_dpbusd_epi32(u##R, b2, x);                                         \
   }
     LLMQ_SCREEN_ROW(0) LLMQ_SCREEN_ROW(1) LLMQ_SCREEN_ROW(2) LLMQ_SCREEN_ROW(3)
     LLMQ_SCREEN_ROW(4) LLMQ_SCREEN_ROW(5) LLMQ_SCREEN_ROW(6) LLMQ_SCREEN_ROW(7)
 #undef LLMQ_SCREEN_ROW
   }
-  const __m512i acc[kScreenRows][2] = {{p0, r0}, {p1, r1}, {p2, r2}, {p3, r3}, {p4, r4}, {p5, r5}, {p6, r6}, {p7, r7}};
+  const __m512i acc[kScreenRows][kScreenBlocks] = {{p0, r0, u0}, {p1, r1, u1}, {p2, r2, u2}, {p3, r3, u3},
+                                                   {p4, r4, u4}, {p5, r5, u5}, {p6, r6, u6}, {p7, r7, u7}};
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int i = 0; i < Rows; ++i) {
     const ScreenRow& row = rows[row0 + i];
     if (!row.usable) continue;
     RowCandidates& mine = kept[row0 + i];
     __m512 lane_floor = _mm512_load_ps(mine.lane_floor);
-    for (int half = 0; half < (two ? 2 : 1); ++half) {
-      const int64_t first = (b + half) * kColumns;
-      const __m512i dot = _mm512_sub_epi32(acc[i][half], _mm512_set1_epi32(row.offset));
+    for (int j = 0; j < count; ++j) {
+      const int64_t first = (b + j) * kColumns;
+      const __m512i dot = _mm512_sub_epi32(acc[i][j], _mm512_set1_epi32(row.offset));
       const __m512 approx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
                                           _mm512_mul_ps(_mm512_set1_ps(row.scale), _mm512_loadu_ps(s.term(kScale) + first)));
       const __m512 bound = _mm512_fmadd_ps(_mm512_loadu_ps(s.term(kNorm) + first), _mm512_set1_ps(row.times_norm),
@@ -213,7 +220,7 @@ std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool 
 
   const int64_t block_bytes = k * kColumns;
   const int64_t threads = llmq_split::threads_for(blocks);
-  const llmq_split::EqualChunks cut(blocks, std::max<int64_t>(2, kChunkBytes / block_bytes / 2 * 2), threads, 4);
+  const llmq_split::EqualChunks cut(blocks, std::max<int64_t>(kScreenBlocks, kChunkBytes / block_bytes / kScreenBlocks * kScreenBlocks), threads, 4);
   llmq_split::StealingRuns shares(cut.chunks, threads);
   std::vector<std::vector<RowCandidates>> kept(threads, std::vector<RowCandidates>(m));
   llmq_split::for_each_run(threads, [&](int64_t own) {
@@ -225,13 +232,14 @@ std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool 
         const auto* screen = reinterpret_cast<const char*>(s.q);
         ahead.next = screen + last * block_bytes;
         ahead.end = screen + std::min(blocks, last + cut.per_chunk) * block_bytes;
-        const int64_t steps = (m + kScreenRows - 1) / kScreenRows * ((last - first + 1) / 2) * (k / kQuad);
+        const int64_t steps = (m + kScreenRows - 1) / kScreenRows * ((last - first + kScreenBlocks - 1) / kScreenBlocks) *
+                              (k / kQuad);
         ahead.lines_per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
       }
       for (int64_t row0 = 0; row0 < m; row0 += kScreenRows) {
-        for (int64_t b = first; b < last; b += 2) {
-          const bool two = b + 1 < last;
-#define LLMQ_SCREEN_ROWS(R) screen_rows<R>(s, quads.data(), rows.data(), row0, b, two, rounded, mine, ahead); break;
+        for (int64_t b = first; b < last; b += kScreenBlocks) {
+          const int count = static_cast<int>(std::min<int64_t>(kScreenBlocks, last - b));
+#define LLMQ_SCREEN_ROWS(R) screen_rows<R>(s, quads.data(), rows.data(), row0, b, count, rounded, mine, ahead); break;
           switch (std::min<int64_t>(kScreenRows, m - row0)) {
             case 1: LLMQ_SCREEN_ROWS(1)
             case 2: LLMQ_SCREEN_ROWS(2)
