@@ -6,6 +6,7 @@
     python benchmarks/step_profile.py --no-prepack                 # F.linear's products instead of oneDNN's packed ones
     python benchmarks/step_profile.py --dtype bfloat16 --no-greedy-head   # greedy steps' logits stored, then argmax
     python benchmarks/step_profile.py --dtype bfloat16 --compare-greedy-head 8   # without/with it, alternated
+    python benchmarks/step_profile.py --dtype float32 --compare-greedy-screen 6  # the LM head's int8 screen off/on
     python benchmarks/step_profile.py --async-scheduling --no-profiler   # each step launched before the last is read
     python benchmarks/step_profile.py --prefix-caching --no-profiler     # the prefix cache on, as in the workers
     python benchmarks/step_profile.py --model stories260k --requests 256 --dtype float32 --no-profiler
@@ -142,23 +143,47 @@ def run_workload(engine: LLMEngine, requests, tag: str) -> tuple[float, int]:
 
 def compare_greedy_head(engine: LLMEngine, requests, vocab: int, rounds: int) -> None:
     """The workload with greedy steps' logits stored and read back by argmax_rows, and with their tokens
-    from the LM head's argmax (tiled_argmax or panel_argmax), alternated (without, with, without, ...) so
-    that each run with it lies between two without it (benchmarks/bracketed.py: the machine's drift
-    between them cancels)."""
+    from the LM head's argmax (tiled_argmax or panel_argmax), alternated."""
     runner = engine.model_runner
     if not runner.greedy_head:
         raise SystemExit("no greedy head here: it takes an LM head in tiles (bfloat16 on a CPU with AVX512-BF16) "
                          "or in panels (float32 on AVX2 or AVX-512), on one rank")
+    compare_alternated(engine, requests, vocab, rounds, "the greedy head",
+                       lambda on: setattr(runner, "greedy_head", on))
+
+
+def compare_greedy_screen(engine: LLMEngine, requests, vocab: int, rounds: int) -> None:
+    """The workload with greedy steps' tokens from the LM head's whole argmax, and through its int8 screen
+    (llmq/model/greedy_screen.py), alternated."""
+    head = engine.model_runner.model.lm_head
+    screen = head._modules.get("greedy_screen")
+    if screen is None:
+        raise SystemExit("no greedy screen here: it takes a CPU with AVX512-VNNI and a greedy head in tiles "
+                         "(not on the matrix units) or in float32 panels")
+
+    def switch(on: bool) -> None:
+        if on:
+            head.greedy_screen = screen
+        else:
+            del head.greedy_screen
+
+    compare_alternated(engine, requests, vocab, rounds, "the greedy screen", switch)
+
+
+def compare_alternated(engine: LLMEngine, requests, vocab: int, rounds: int, what: str, switch) -> None:
+    """The workload without `what` (ROUNDS + 1 runs) and with it (ROUNDS runs), switch(on) between them,
+    alternated (without, with, without, ...) so that each run with it lies between two without it
+    (benchmarks/bracketed.py: the machine's drift between them cancels)."""
     useful = sum(o for _, o in requests)
-    without, with_head = [], []
+    without, with_it = [], []
     for k in range(2 * rounds + 1):
-        runner.greedy_head = k % 2 == 1
-        seconds, _ = run_workload(engine, fresh_prompts(requests, 20_000 + k, vocab), f"greedy head {k}")
-        (with_head if runner.greedy_head else without).append(seconds)
-    runner.greedy_head = True
-    ratios = bracketed_ratios(without, with_head)
-    print("without the greedy head, useful tok/s: " + ", ".join(f"{useful / s:.0f}" for s in without))
-    print("with it:                                " + ", ".join(f"{useful / s:.0f}" for s in with_head))
+        switch(k % 2 == 1)
+        seconds, _ = run_workload(engine, fresh_prompts(requests, 20_000 + k, vocab), f"{what} {k}")
+        (with_it if k % 2 == 1 else without).append(seconds)
+    switch(True)
+    ratios = bracketed_ratios(without, with_it)
+    print(f"without {what}, useful tok/s: " + ", ".join(f"{useful / s:.0f}" for s in without))
+    print("with it: " + ", ".join(f"{useful / s:.0f}" for s in with_it))
     interval = median_interval(ratios)
     print("with / without, each against the runs on either side: " + ", ".join(f"{r:.3f}" for r in ratios)
           + f"; median {statistics.median(ratios):.3f}"
@@ -196,6 +221,9 @@ def main() -> None:
     parser.add_argument("--compare-greedy-head", type=int, default=0, metavar="ROUNDS",
                         help="instead of the profile: the workload without the LM head's argmax (ROUNDS + 1 runs) "
                              "and with it (ROUNDS runs), alternated in this engine; prints the bracketed ratios")
+    parser.add_argument("--compare-greedy-screen", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the profile: the workload without the LM head's int8 screen (ROUNDS + 1 "
+                             "runs) and with it (ROUNDS runs), alternated in this engine; prints the bracketed ratios")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch each step before reading the last one's tokens (the CUDA default)")
     parser.add_argument("--prefix-caching", action="store_true",
@@ -220,6 +248,9 @@ def main() -> None:
     run_workload(engine, fresh_prompts(requests[:8], 10_000, vocab), "warm")
     if args.compare_greedy_head:
         compare_greedy_head(engine, requests, vocab, args.compare_greedy_head)
+        return
+    if args.compare_greedy_screen:
+        compare_greedy_screen(engine, requests, vocab, args.compare_greedy_screen)
         return
 
     sections = Sections()
