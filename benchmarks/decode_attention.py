@@ -20,12 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmq.engine.config import EngineConfig  # noqa: E402
 from llmq.model.cpu_kernels import native_kernels, native_kernels_failure  # noqa: E402
 from llmq.model.huge_pages import huge_page_zeros  # noqa: E402
 
 SHAPES = {"bench-42m": dict(seqs=64, heads=8, kv_heads=4, head_dim=64, context=115),
           "llama-1b": dict(seqs=32, heads=32, kv_heads=4, head_dim=64, context=200)}
-BLOCK_SIZE, NUM_BLOCKS, CALLS = 8, 20_000, 50
+BLOCK_SIZE, NUM_BLOCKS, CALLS = EngineConfig.block_size, 20_000, 50  # the engine's default block
 
 
 def time_call(kernels, dtype, seqs, heads, kv_heads, head_dim, context, scattered: bool) -> float:

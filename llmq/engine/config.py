@@ -40,7 +40,9 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str = "auto"  # or float32, float16, bfloat16; "auto" as llmq/engine/dtype.py chooses
-    block_size: int = 8
+    # Tokens a KV cache block holds. A decode step reads every sequence's blocks wherever they lie, and on a
+    # CPU longer blocks read faster (README, "Using the engine directly").
+    block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
