@@ -26,6 +26,7 @@ from torch import nn
 
 from llmq.model.cpu_kernels import is_paired, is_paneled, is_tiled, screened_argmax
 from llmq.model.cpu_prepack import dense_weight
+from llmq.model.huge_pages import huge_page_copy
 
 log = logging.getLogger(__name__)
 
@@ -117,5 +118,6 @@ def add_greedy_screen(model: nn.Module, kernels) -> bool:
     dense = dense_weight(weight)
     if not screens(dense):
         return False
-    head.greedy_screen = GreedyScreen(*screen_weight(dense))
+    screen, terms = screen_weight(dense)
+    head.greedy_screen = GreedyScreen(huge_page_copy(screen), terms)  # streamed whole by every greedy step
     return True
