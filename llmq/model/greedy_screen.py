@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 # Inputs a lane of the screen's product sums in one instruction, and the columns of a block (csrc/greedy_screen.h).
 QUAD, BLOCK_COLUMNS = 4, 16
 # The rows the screen is watched for before it is kept or turned off, and what it may cost at most to be
-# kept: rows left to the whole product (each reads the whole head again), and blocks of 16 columns
-# multiplied again for one row (each about 1/1,000 of a row's whole product at a 32,000-token vocabulary).
+# kept, as shares of the rows and of the head's blocks: rows left to the whole product (each such call
+# reads the whole head again), and blocks of 16 columns multiplied again a row (each read from memory on
+# its own, for that row alone).
 TRIAL_ROWS = 1024
 MOST_WHOLE_ROWS_SHARE = 1 / 16
 MOST_BLOCKS_SHARE = 1 / 32

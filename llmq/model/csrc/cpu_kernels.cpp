@@ -1033,7 +1033,9 @@ llmq_screen::Screen screen_of(const torch::Tensor& screen, const torch::Tensor& 
   TORCH_CHECK(terms.scalar_type() == at::kFloat && terms.is_contiguous() && terms.dim() == 2 && terms.size(0) == 3 &&
                   terms.size(1) == n,
               "screened argmax: the terms must be float32 [3, N], contiguous (greedy_screen.screen_weight)");
-  TORCH_CHECK(k % llmq_screen::kQuad == 0, "screened argmax: the inputs must be a multiple of 4");
+  // A lane sums k products of at most 255 * 127 in int32.
+  TORCH_CHECK(k % llmq_screen::kQuad == 0 && k <= 65536,
+              "screened argmax: the inputs must be a multiple of 4, at most 65,536");
   return {screen.data_ptr<uint8_t>(), terms.data_ptr<float>(), n, k};
 }
 
@@ -1073,8 +1075,8 @@ torch::Tensor screened_tiled_argmax(const torch::Tensor& x, const torch::Tensor&
     row_times_blocks(rows + row * k, w.k_tiles, w.tiles, blocks, count, logits);
   };
   const std::vector<int64_t> whole = llmq_screen::screened_argmax(
-      a.to(at::kFloat), screen_of(screen, terms, w.col_blocks * 16, k), /*rounded=*/true, exact, out.data_ptr<int64_t>(),
-      counts_of(counts));
+      a.to(at::kFloat), screen_of(screen, terms, w.col_blocks * 16, k), /*rounded=*/true, exact,
+      out.data_ptr<int64_t>(), counts_of(counts));
   argmax_of_rows_left(a, whole, out, [&](const torch::Tensor& some) { return argmax_of_product(some, tiles); });
   return out;
 #else
@@ -1355,7 +1357,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screens_greedy_head", &screens_greedy_head, "whether screened_*_argmax run here (AVX512-VNNI)");
   m.def("screened_tiled_argmax", &screened_tiled_argmax, "tiled_argmax, its candidates found by an int8 screen",
         py::arg("x"), py::arg("tiles"), py::arg("screen"), py::arg("terms"), py::arg("counts"));
-  m.def("screened_panel_argmax", &screened_panel_argmax, "panel_argmax (float32), its candidates found by an int8 screen",
+  m.def("screened_panel_argmax", &screened_panel_argmax,
+        "panel_argmax (float32), its candidates found by an int8 screen",
         py::arg("x"), py::arg("panels"), py::arg("screen"), py::arg("terms"), py::arg("counts"));
   m.def("tiled_silu_and_mul", &tiled_silu_and_mul,
         "silu(x @ gate.T) * (x @ up.T) in bfloat16, gate and up laid out paired in tiles",

@@ -5,11 +5,11 @@
 // weight), and each row of inputs is scaled to int8 likewise. Their product (vpdpbusd: four byte pairs a
 // lane, twice the bfloat16 dot products' pairs and a quarter of float32's bytes) gives every logit to
 // within a bound worked out from the two roundings: |x.w - x'.w'| <= |x - x'| |w| + |x'| |w - w'|
-// (Euclidean norms), plus what float32 sums may lose. A column whose logit, plus its bound, falls below some other column's logit
-// minus its bound cannot be the argmax; the few that can are multiplied again by the head's own product
-// for one row, the same arithmetic in the same order as the whole product's (so the same sums), and their
-// argmax is the row's. A row whose inputs are not finite, or are all zero, or whose candidates are too many
-// (a bound too loose to cut), is left to the whole product.
+// (Euclidean norms), plus what float32 sums may lose. A column whose logit plus its bound falls below
+// some other column's logit minus its bound cannot be the argmax; the few that can are multiplied again
+// by the head's own product for one row, the same arithmetic in the same order as the whole product's (so
+// the same sums), and their argmax is the row's. A row whose inputs are not finite, or are all zero, or
+// whose candidates are too many (a bound too loose to cut), is left to the whole product.
 #pragma once
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -36,8 +36,8 @@ constexpr int kScreenRows = 8;    // rows whose sums stay in registers, for kScr
 // Blocks a pass takes at once: 24 sums, their 3 blocks' weights and a row's broadcast inputs in 28 of
 // AVX-512's 32 registers (two blocks, one broadcast to every two instructions, measured slower).
 constexpr int kScreenBlocks = 3;
-// A thread's blocks are taken this many at a time, kept in its L2 while every group of rows passes over them
-// (16 x K bytes a block: 256 KiB at 1,024 inputs).
+// A thread's blocks are taken this many bytes at a time (a block is 16 K bytes: 16 blocks at 1,024
+// inputs), kept in its L2 while every group of rows passes over them.
 constexpr int64_t kChunkBytes = 256 * 1024;
 // Rows whose candidates span more than this share of the blocks go to the whole product: past it, their
 // blocks one row at a time cost about what the whole product's pass over them would.
@@ -112,13 +112,14 @@ inline ScreenRow screen_row(const float* x, int64_t k, int8_t* quads) {
   row.usable = true;
   row.scale = scale;
   row.offset = 128 * sum;
-  row.times_norm = static_cast<float>((std::sqrt(residual) + sums_loss + own_roundings) * (1 + std::ldexp(1.0, -16)));
-  row.times_residual_norm = static_cast<float>((rounded_norm + own_roundings) * (1 + std::ldexp(1.0, -16)));
+  const double widened = 1 + std::ldexp(1.0, -16);
+  row.times_norm = static_cast<float>((std::sqrt(residual) + sums_loss + own_roundings) * widened);
+  row.times_residual_norm = static_cast<float>((rounded_norm + own_roundings) * widened);
   return row;
 }
 
 // What one thread keeps for a row: the largest lower end of a logit's range among the columns it has
-// screened (each lane's, and all of them as of the last block pair), the columns whose upper end reached
+// screened (each lane's, and all of them as of the row's last pass), the columns whose upper end reached
 // the floor as it was (`kept_from`: that floor, or below it by what rounding to bfloat16 may take off),
 // and their upper ends.
 struct RowCandidates {
@@ -174,24 +175,25 @@ inline void screen_rows(const Screen& s, const int8_t* quads, const ScreenRow* r
     for (int j = 0; j < count; ++j) {
       const int64_t first = (b + j) * kColumns;
       const __m512i dot = _mm512_sub_epi32(acc[i][j], _mm512_set1_epi32(row.offset));
-      const __m512 approx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-                                          _mm512_mul_ps(_mm512_set1_ps(row.scale), _mm512_loadu_ps(s.term(kScale) + first)));
+      const __m512 scales = _mm512_mul_ps(_mm512_set1_ps(row.scale), _mm512_loadu_ps(s.term(kScale) + first));
+      const __m512 approx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scales);
       const __m512 bound = _mm512_fmadd_ps(_mm512_loadu_ps(s.term(kNorm) + first), _mm512_set1_ps(row.times_norm),
                                            _mm512_fmadd_ps(_mm512_loadu_ps(s.term(kResidualNorm) + first),
                                                            _mm512_set1_ps(row.times_residual_norm),
                                                            _mm512_set1_ps(kLeastBound)));
       const __m512 low = _mm512_sub_ps(approx, bound), high = _mm512_add_ps(approx, bound);
       lane_floor = _mm512_max_ps(lane_floor, low);
-      // Against the floor as of the last pair: a lower floor keeps more columns, never too few.
+      // Against the floor as of the row's last pass: a lower floor keeps more columns, never too few.
       const __mmask16 keep = _mm512_cmp_ps_mask(high, _mm512_set1_ps(mine.kept_from), _CMP_GE_OQ);
       if (keep) {
         alignas(64) int32_t columns[kColumns];
         alignas(64) float highs[kColumns];
-        const int count = __builtin_popcount(keep);
-        _mm512_mask_compressstoreu_epi32(columns, keep, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(first))));
+        const int taken = __builtin_popcount(keep);
+        _mm512_mask_compressstoreu_epi32(columns, keep,
+                                         _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(first))));
         _mm512_mask_compressstoreu_ps(highs, keep, high);
-        mine.columns.insert(mine.columns.end(), columns, columns + count);
-        mine.highs.insert(mine.highs.end(), highs, highs + count);
+        mine.columns.insert(mine.columns.end(), columns, columns + taken);
+        mine.highs.insert(mine.highs.end(), highs, highs + taken);
       }
     }
     _mm512_store_ps(mine.lane_floor, lane_floor);
@@ -207,8 +209,9 @@ inline void screen_rows(const Screen& s, const int8_t* quads, const ScreenRow* r
 // Each row's argmax (the first column of equals) over x [M, K] (float32, contiguous) times the head the
 // screen copies, into result; `rounded` where the head's argmax is over logits rounded to bfloat16.
 // exact(row, blocks, count, out) writes the head's own 16 logits of each of `count` (at most kExactBlocks)
-// blocks for one row, as its whole product computes them. Returns the rows left to the whole product (their result unset). Adds to counts[0 .. 2] the
-// rows, the blocks multiplied again, and the rows left to the whole product.
+// blocks for one row, as its whole product computes them. Returns the rows left to the whole product
+// (their result unset). Adds to counts[0 .. 2] the rows, the blocks multiplied again, and the rows left to
+// the whole product.
 template <typename Exact>
 std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool rounded, const Exact& exact,
                                      int64_t* result, int64_t* counts) {
@@ -220,7 +223,9 @@ std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool 
 
   const int64_t block_bytes = k * kColumns;
   const int64_t threads = llmq_split::threads_for(blocks);
-  const llmq_split::EqualChunks cut(blocks, std::max<int64_t>(kScreenBlocks, kChunkBytes / block_bytes / kScreenBlocks * kScreenBlocks), threads, 4);
+  const int64_t chunk_blocks =
+      std::max<int64_t>(kScreenBlocks, kChunkBytes / block_bytes / kScreenBlocks * kScreenBlocks);
+  const llmq_split::EqualChunks cut(blocks, chunk_blocks, threads, 4);
   llmq_split::StealingRuns shares(cut.chunks, threads);
   std::vector<std::vector<RowCandidates>> kept(threads, std::vector<RowCandidates>(m));
   llmq_split::for_each_run(threads, [&](int64_t own) {
@@ -232,8 +237,8 @@ std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool 
         const auto* screen = reinterpret_cast<const char*>(s.q);
         ahead.next = screen + last * block_bytes;
         ahead.end = screen + std::min(blocks, last + cut.per_chunk) * block_bytes;
-        const int64_t steps = (m + kScreenRows - 1) / kScreenRows * ((last - first + kScreenBlocks - 1) / kScreenBlocks) *
-                              (k / kQuad);
+        const int64_t passes = (last - first + kScreenBlocks - 1) / kScreenBlocks;
+        const int64_t steps = (m + kScreenRows - 1) / kScreenRows * passes * (k / kQuad);
         ahead.lines_per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
       }
       for (int64_t row0 = 0; row0 < m; row0 += kScreenRows) {
