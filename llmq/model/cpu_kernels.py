@@ -114,7 +114,7 @@ class NativeKernels(TorchKernels):
         self.panel_dtypes = {"avx2": (torch.float32, torch.bfloat16), "avx512": (torch.float32,)}.get(
             self.panel_products, ())
         # Whether a greedy step's argmax can come through an int8 screen of the LM head (csrc/greedy_screen.h,
-        # cpu_prepack.add_greedy_screen): on a CPU with AVX512-VNNI.
+        # greedy_screen.add_greedy_screen): on a CPU with AVX512-VNNI.
         self.screens_greedy_head = bool(module.screens_greedy_head())
 
     def rms_norm(self, x, weight, eps):
