@@ -158,13 +158,16 @@ def test_redis_away_past_the_retry_window_fails_no_line(served_model_dir, tmp_pa
     # taken again when it is back). Lines whose tokens could not be written go on from their
     # checkpoints once it answers, and lines that could not start go back to the queue, instead of
     # ending as server_error.
+    # Four times the prompts: after the first lines end, seconds of work are left for the outage to land in,
+    # however fast the engine runs them.
+    prompts = PROMPTS * 4
     with fault_stack(served_model_dir, tmp_path, workers=1, LLMQ_REDIS_RETRY_SECONDS="2") as stack, \
             httpx.Client(base_url=stack.base_url, timeout=60) as api:
-        batch_id = start_batch(api)
+        batch_id = start_batch(api, prompts)
         wait_until(lambda: api.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] >= 2,
                    timeout=120, interval=0.1)
         stack.restart_redis(down_s=9.0)
-        assert_batch_came_through(api, stack, batch_id, offline)
+        assert_batch_came_through(api, stack, batch_id, offline, prompts)
         # Cut short mid-run (its tokens could not be written), or before it could start (its checkpoint
         # could not be read): either way the worker waited for Redis instead of failing the line.
         assert "Redis is back, so" in log_of(tmp_path, "w0")
