@@ -210,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
         panel_argmax)."""
         weight, screen = self.lm_head.weight, self.lm_head._modules.get("greedy_screen")
         if screen is not None and screen.pays:  # llmq/model/greedy_screen.py: the same tokens, less of the product
-            return screen.argmax(self._head_input(hidden), weight)[:hidden.shape[0]]
-        argmax = panel_argmax if is_paneled(weight) else tiled_argmax
+            argmax = screen.argmax
+        else:
+            argmax = panel_argmax if is_paneled(weight) else tiled_argmax
         return argmax(self._head_input(hidden), weight)[:hidden.shape[0]]
 
     def _head_input(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1039,20 +1039,25 @@ llmq_screen::Screen screen_of(const torch::Tensor& screen, const torch::Tensor& 
   return {screen.data_ptr<uint8_t>(), terms.data_ptr<float>(), n, k};
 }
 
-// The rows the screen left (`whole`) through the head's whole product, `argmax` of a [rows, K] tensor.
+// Each row's token through the screen (`values`: the rows in float32; `exact`: greedy_screen.h's), the rows
+// it leaves through the head's whole product, `whole_argmax` of those of `rows` (the head's own input).
 // counts: int64 [3], which screened_argmax adds to.
-int64_t* counts_of(const torch::Tensor& counts) {
+template <typename Exact, typename WholeArgmax>
+torch::Tensor screened_tokens(const torch::Tensor& values, const torch::Tensor& rows, const torch::Tensor& screen,
+                              const torch::Tensor& terms, const torch::Tensor& counts, int64_t n, bool rounded,
+                              const Exact& exact, const WholeArgmax& whole_argmax) {
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && counts.numel() == 3,
               "screened argmax: counts must be int64 [3]");
-  return counts.data_ptr<int64_t>();
-}
-
-template <typename Argmax>
-void argmax_of_rows_left(const torch::Tensor& x, const std::vector<int64_t>& whole, torch::Tensor& out,
-                         const Argmax& argmax) {
-  if (whole.empty()) return;
-  const torch::Tensor rows = torch::tensor(whole, out.options());
-  out.index_put_({rows}, argmax(x.index_select(0, rows)));
+  torch::Tensor out = torch::zeros({values.size(0)}, values.options().dtype(at::kLong));
+  if (values.size(0) == 0) return out;
+  const std::vector<int64_t> whole =
+      llmq_screen::screened_argmax(values, screen_of(screen, terms, n, values.size(1)), rounded, exact,
+                                   out.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+  if (!whole.empty()) {
+    const torch::Tensor left = torch::tensor(whole, out.options());
+    out.index_put_({left}, whole_argmax(rows.index_select(0, left)));
+  }
+  return out;
 }
 #endif
 
@@ -1067,18 +1072,14 @@ torch::Tensor screened_tiled_argmax(const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(tiles.dim() == 4, "screened_tiled_argmax: tiles must be [V/16, K/32, 16, 32] (not paired)");
   const torch::Tensor a = padded_rows(x, tiles, "screened_tiled_argmax");
   const TiledWeight w = tiled_weight(tiles);
-  const int64_t m = a.size(0), k = w.k_tiles * kTileInputs;
-  torch::Tensor out = torch::zeros({m}, x.options().dtype(at::kLong));
-  if (m == 0) return out;
+  const int64_t k = w.k_tiles * kTileInputs;
   const auto* rows = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const auto exact = [&](int64_t row, const int64_t* blocks, int count, float (*logits)[16]) {
-    row_times_blocks(rows + row * k, w.k_tiles, w.tiles, blocks, count, logits);
-  };
-  const std::vector<int64_t> whole = llmq_screen::screened_argmax(
-      a.to(at::kFloat), screen_of(screen, terms, w.col_blocks * 16, k), /*rounded=*/true, exact,
-      out.data_ptr<int64_t>(), counts_of(counts));
-  argmax_of_rows_left(a, whole, out, [&](const torch::Tensor& some) { return argmax_of_product(some, tiles); });
-  return out;
+  return screened_tokens(
+      a.to(at::kFloat), a, screen, terms, counts, w.col_blocks * 16, /*rounded=*/true,
+      [&](int64_t row, const int64_t* blocks, int count, float (*logits)[16]) {
+        row_times_blocks(rows + row * k, w.k_tiles, w.tiles, blocks, count, logits);
+      },
+      [&](const torch::Tensor& some) { return argmax_of_product(some, tiles); });
 #else
   TORCH_CHECK(false, "screened_tiled_argmax: this build has no AVX512-BF16 or no AVX512-VNNI");
 #endif
@@ -1093,19 +1094,15 @@ torch::Tensor screened_panel_argmax(const torch::Tensor& x, const torch::Tensor&
   using namespace llmq_panels;
   TORCH_CHECK(panels.scalar_type() == at::kFloat, "screened_panel_argmax: float32 panels");
   const auto [rows, unused_bias] = float_operands(x, panels, c10::nullopt, "screened_panel_argmax");
-  const int64_t m = rows.size(0), k = panels.size(1);
-  torch::Tensor out = torch::zeros({m}, x.options().dtype(at::kLong));
-  if (m == 0) return out;
+  const int64_t k = panels.size(1);
   const float* values = rows.data_ptr<float>();
   const float* weights = panels.data_ptr<float>();
-  const auto exact = [&](int64_t row, const int64_t* which, int count, float (*logits)[16]) {
-    row_times_panels(values + row * k, k, weights, which, count, logits);
-  };
-  const std::vector<int64_t> whole = llmq_screen::screened_argmax(
-      rows, screen_of(screen, terms, panels.size(0) * kPanelColumns, k), /*rounded=*/false, exact,
-      out.data_ptr<int64_t>(), counts_of(counts));
-  argmax_of_rows_left(rows, whole, out, [&](const torch::Tensor& some) { return argmax_of_product(some, panels); });
-  return out;
+  return screened_tokens(
+      rows, rows, screen, terms, counts, panels.size(0) * kPanelColumns, /*rounded=*/false,
+      [&](int64_t row, const int64_t* which, int count, float (*logits)[16]) {
+        row_times_panels(values + row * k, k, weights, which, count, logits);
+      },
+      [&](const torch::Tensor& some) { return argmax_of_product(some, panels); });
 #else
   TORCH_CHECK(false, "screened_panel_argmax: this build has no AVX-512 panel products or no AVX512-VNNI");
 #endif

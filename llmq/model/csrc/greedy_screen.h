@@ -235,11 +235,10 @@ std::vector<int64_t> screened_argmax(const at::Tensor& x, const Screen& s, bool 
       llmq_split::NextChunkFetch ahead;  // the next chunk, while this one is screened
       if (shares.is_next_of(own, chunk + 1)) {
         const auto* screen = reinterpret_cast<const char*>(s.q);
-        ahead.next = screen + last * block_bytes;
-        ahead.end = screen + std::min(blocks, last + cut.per_chunk) * block_bytes;
         const int64_t passes = (last - first + kScreenBlocks - 1) / kScreenBlocks;
-        const int64_t steps = (m + kScreenRows - 1) / kScreenRows * passes * (k / kQuad);
-        ahead.lines_per_step = ((ahead.end - ahead.next) / 64 + steps - 1) / steps;
+        ahead = llmq_split::NextChunkFetch(screen + last * block_bytes,
+                                           screen + std::min(blocks, last + cut.per_chunk) * block_bytes,
+                                           (m + kScreenRows - 1) / kScreenRows * passes * (k / kQuad));
       }
       for (int64_t row0 = 0; row0 < m; row0 += kScreenRows) {
         for (int64_t b = first; b < last; b += kScreenBlocks) {

@@ -343,10 +343,9 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
       NextChunkFetch next_chunk;
       if (spread && runs.is_next_of(own, chunk + 1)) {
         const auto* tiles = reinterpret_cast<const char*>(B);
-        next_chunk.next = tiles + (chunk + 1) * chunk_bytes;
-        next_chunk.end = tiles + std::min((chunk + 2) * chunk_bytes, weight_bytes);
-        const int64_t steps = (last_pair - chunk * split.per_chunk) * passes_per_pair * k_tiles;
-        next_chunk.lines_per_step = ((next_chunk.end - next_chunk.next) / 64 + steps - 1) / steps;
+        next_chunk = NextChunkFetch(tiles + (chunk + 1) * chunk_bytes,
+                                    tiles + std::min((chunk + 2) * chunk_bytes, weight_bytes),
+                                    (last_pair - chunk * split.per_chunk) * passes_per_pair * k_tiles);
       }
       const bool prefetch_first_pass = chunk != fetched;
       fetched = next_chunk.lines_per_step > 0 ? chunk + 1 : -1;

@@ -173,6 +173,11 @@ struct NextChunkFetch {
   const char* end = nullptr;
   int64_t lines_per_step = 0;
 
+  NextChunkFetch() = default;
+  // [from, to) asked for over `steps` steps, evenly (the last ones may ask for none).
+  NextChunkFetch(const char* from, const char* to, int64_t steps)
+      : next(from), end(to), lines_per_step(((to - from) / 64 + steps - 1) / std::max<int64_t>(1, steps)) {}
+
   void step() {
     for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) __builtin_prefetch(next, 0, 2);
   }
