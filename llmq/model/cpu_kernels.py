@@ -170,8 +170,10 @@ class NativeKernels(TorchKernels):
         if weights is None:
             return None
         output, residual = hidden, None
-        for layer_weights, kv_cache in zip(weights, kv_caches):
-            output, residual = self._run_layer(layer_weights, output, residual, cos, sin, kv_cache, meta)
+        # Each layer's MLP asks for the keys and values the next layer's attention will read (csrc:
+        # paged_prefetch.h, KvWarmup).
+        for layer_weights, kv_cache, next_cache in zip(weights, kv_caches, [*kv_caches[1:], None]):
+            output, residual = self._run_layer(layer_weights, output, residual, cos, sin, kv_cache, meta, next_cache)
         return residual + output
 
     def layer_rows_at_once(self, layer) -> int | None:
@@ -188,12 +190,13 @@ class NativeKernels(TorchKernels):
         return (decodes is not None and decodes.kernel == "cpu" and not meta.decodes and not meta.prefills
                 and decodes.num_tokens == meta.slot_mapping.shape[0] and hidden.shape[0] >= decodes.num_tokens)
 
-    def _run_layer(self, weights, hidden, residual, cos, sin, kv_cache, meta):
+    def _run_layer(self, weights, hidden, residual, cos, sin, kv_cache, meta, next_cache=None):
         decodes = meta.paged_decodes
         k_cache, v_cache = kv_cache
+        next_k, next_v = next_cache if next_cache is not None else (None, None)
         return self._ops.decoder_layer(weights, hidden, residual, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                        decodes.block_tables, decodes.context_lens, decodes.query_tables,
-                                       meta.block_size)
+                                       meta.block_size, next_k, next_v)
 
     def _stack_weights(self, layers):
         """_layer_weights of every layer, kept on the layers' list while the products' weights stay the same

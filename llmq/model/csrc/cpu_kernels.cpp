@@ -21,6 +21,8 @@
 #include <cstring>
 #include <string>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -974,6 +976,36 @@ std::vector<int64_t> stealing_runs_order(int64_t chunks, int64_t parts, const st
   return taken;
 }
 
+// The lines a KvWarmup over these caches asks for, for each share in turn, as (step, 0 for a key's line or 1
+// for a value's, its byte offset in that cache), each share stepped until it asks for nothing more (tests).
+std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t>>> kv_warmup_lines(
+    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+    const torch::Tensor& context_lens, int64_t block_size, int64_t shares, int64_t steps_per_share) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 3 &&
+                  block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && context_lens.is_contiguous(),
+              "kv_warmup_lines: caches [KVH, slots, head_dim], int32 tables and lengths");
+  const int64_t element = k_cache.element_size();
+  const auto* k = static_cast<const char*>(k_cache.data_ptr());
+  const auto* v = static_cast<const char*>(v_cache.data_ptr());
+  llmq_prefetch::KvWarmup warmup(k, v, k_cache.stride(0) * element, block_tables.data_ptr<int32_t>(),
+                                 block_tables.stride(0), context_lens.data_ptr<int32_t>(), context_lens.size(0),
+                                 k_cache.size(0), block_size, block_size * k_cache.size(2) * element, shares,
+                                 steps_per_share);
+  std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t>>> lines(shares);
+  for (int64_t share = 0; share < shares; ++share) {
+    for (int64_t step = 0;; ++step) {
+      const size_t before = lines[share].size();
+      warmup.step(share, [&](const char* line) {
+        const bool key = line >= k && line < k + k_cache.nbytes();
+        lines[share].emplace_back(step, key ? 0 : 1, line - (key ? k : v));
+      });
+      if (lines[share].size() == before) break;
+    }
+  }
+  return lines;
+}
+
 // Gives every run of the work split between threads (the products' column chunks, decode attention's
 // pieces) to the calling thread, or not (tests); returns whether it did before.
 bool take_runs_in_one_thread(bool one) { return llmq_split::one_thread_takes_every_run().exchange(one); }
@@ -1206,13 +1238,53 @@ torch::Tensor gated_product(const torch::Tensor& x, const torch::Tensor& gate_up
   return tiled_silu_and_mul(x, gate_up, bias);
 }
 
+// The next layer's caches, where decoder_layer is told them: its MLP asks for the blocks the next layer's
+// attention will read (paged_prefetch.h's KvWarmup).
+struct NextCaches {
+  const torch::Tensor* k_cache = nullptr;  // none: no warm-up
+  const torch::Tensor* v_cache = nullptr;
+};
+
+// The warm-up of the next layer's keys and values over this layer's MLP, where its products run in
+// AVX512-BF16's dot products (the steps that ask for them) and every query is a decode with a block table
+// row of its own; else none.
+std::optional<llmq_prefetch::KvWarmup> next_layer_warmup(const LayerWeights& w, int64_t rows, const NextCaches& next,
+                                                        const torch::Tensor& block_tables,
+                                                        const torch::Tensor& context_lens,
+                                                        const c10::optional<torch::Tensor>& query_tables,
+                                                        int64_t block_size) {
+#ifdef LLMQ_HAS_TILED_LINEAR
+  if (next.k_cache == nullptr || next.v_cache == nullptr ||
+      (query_tables.has_value() && query_tables->defined()) || llmq_tiled::on_matrix_units() || !in_tiles(w.o) ||
+      !in_tiles(w.gate_up) || !in_tiles(w.down))
+    return std::nullopt;
+  const torch::Tensor& k = *next.k_cache;
+  const torch::Tensor& v = *next.v_cache;
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.scalar_type() == v.scalar_type(),
+              "decoder_layer: the next layer's caches must be contiguous [KVH, slots, head_dim], alike");
+  const int64_t threads = at::get_num_threads();
+  if (threads > llmq_prefetch::KvWarmup::kMostShares) return std::nullopt;
+  const int64_t steps = llmq_tiled::dot_steps(w.o, rows) + llmq_tiled::dot_steps(w.gate_up, rows) +
+                        llmq_tiled::dot_steps(w.down, rows);
+  const int64_t element = k.element_size();
+  return std::make_optional<llmq_prefetch::KvWarmup>(
+      static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()), k.stride(0) * element,
+      block_tables.data_ptr<int32_t>(), block_tables.stride(0), context_lens.data_ptr<int32_t>(),
+      context_lens.size(0), k.size(0), block_size, block_size * k.size(2) * element, threads, steps / threads);
+#else
+  return std::nullopt;
+#endif
+}
+
 // decoder_layer below for rows that go through it together (all of a step's, or some of a long step's).
 std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor& hidden,
                                       const c10::optional<torch::Tensor>& residual, const torch::Tensor& cos,
                                       const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                                       const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                       const torch::Tensor& context_lens,
-                                      const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
+                                      const c10::optional<torch::Tensor>& query_tables, int64_t block_size,
+                                      const NextCaches& next) {
   torch::Tensor x, stream;
   if (residual.has_value() && residual->defined()) {
     auto normed = add_rms_norm(hidden, *residual, w.input_norm, w.eps);
@@ -1238,6 +1310,9 @@ std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor
   torch::Tensor token_rows = attended.narrow(0, 0, tokens);
   paged_decode_attention(qk.narrow(1, 0, w.num_heads).narrow(0, 0, tokens), k_cache, v_cache, block_tables,
                          context_lens, block_size, w.scale, token_rows, query_tables);
+  std::optional<llmq_prefetch::KvWarmup> warmup = next_layer_warmup(w, rows, next, block_tables, context_lens,
+                                                                     query_tables, block_size);
+  llmq_prefetch::KvWarmupScope warming(warmup ? &*warmup : nullptr);
   auto normed = add_rms_norm(product(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
   torch::Tensor gated = gated_product(normed[0], w.gate_up, w.gate_up_bias);
   return {product(gated, w.down, w.down_bias), normed[1]};
@@ -1275,11 +1350,16 @@ std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Ten
                                          const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                          const torch::Tensor& context_lens,
-                                         const c10::optional<torch::Tensor>& query_tables, int64_t block_size) {
+                                         const c10::optional<torch::Tensor>& query_tables, int64_t block_size,
+                                         const c10::optional<torch::Tensor>& next_k_cache,
+                                         const c10::optional<torch::Tensor>& next_v_cache) {
   const int64_t rows = hidden.size(0), tokens = slot_mapping.size(0), at_once = layer_rows_at_once(w);
+  NextCaches next;
+  if (next_k_cache.has_value() && next_k_cache->defined() && next_v_cache.has_value() && next_v_cache->defined())
+    next = NextCaches{&*next_k_cache, &*next_v_cache};
   if (rows <= at_once)
     return layer_rows(w, hidden, residual, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                      query_tables, block_size);
+                      query_tables, block_size, next);
   const bool has_residual = residual.has_value() && residual->defined();
   const bool has_query_tables = query_tables.has_value() && query_tables->defined();
   torch::Tensor out = torch::empty_like(hidden), stream = torch::empty_like(hidden);
@@ -1295,7 +1375,7 @@ std::vector<torch::Tensor> decoder_layer(const LayerWeights& w, const torch::Ten
         has_query_tables ? block_tables : block_tables.narrow(0, first_token, count_tokens),
         context_lens.narrow(0, first_token, count_tokens),
         has_query_tables ? c10::optional<torch::Tensor>(query_tables->narrow(0, first_token, count_tokens)) : c10::nullopt,
-        block_size);
+        block_size, NextCaches{});
     out.narrow(0, start, count).copy_(part[0]);
     stream.narrow(0, start, count).copy_(part[1]);
   }
@@ -1327,6 +1407,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
   m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
         py::arg("chunks"), py::arg("parts"), py::arg("callers"));
+  m.def("kv_warmup_lines", &kv_warmup_lines, "the lines a KvWarmup asks for, share by share (tests)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"),
+        py::arg("shares"), py::arg("steps_per_share"));
   m.def("take_runs_in_one_thread", &take_runs_in_one_thread,
         "whether every run of the products' and decode attention's work goes to the calling thread (tests)");
   m.def("tiled_linear", &tiled_linear, "x @ W.T (+ bias) in bfloat16, W laid out in tiles",
@@ -1348,7 +1431,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, "a Llama decoder layer whose attention is all the paged kernel's",
         py::arg("weights"), py::arg("hidden"), py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("query_tables"), py::arg("block_size"));
+        py::arg("query_tables"), py::arg("block_size"), py::arg("next_k_cache") = py::none(),
+        py::arg("next_v_cache") = py::none());
   m.def("panel_argmax", &panel_argmax, "each row's argmax of x @ W.T, W in panels, without storing it");
   m.def("tiled_argmax", &tiled_argmax, "each row's argmax of x @ W.T in bfloat16, W in tiles, without storing it");
   m.def("screens_greedy_head", &screens_greedy_head, "whether screened_*_argmax run here (AVX512-VNNI)");

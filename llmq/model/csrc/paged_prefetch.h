@@ -2,7 +2,9 @@
 // and the bfloat16 decode kernels (decode_attention_bf16.h, decode_attention_amx.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace llmq_prefetch {
 
@@ -58,5 +60,97 @@ class ContextFetch {
 inline bool first_of_its_table(const int32_t* query_tables, int64_t n) {
   return query_tables == nullptr || n == 0 || query_tables[n] != query_tables[n - 1];
 }
+
+// The keys and values that a layer's decode attention will read, asked for while the layer before it
+// multiplies its MLP. Decode attention waits on memory (its blocks lie anywhere in the cache, a few KiB
+// each) and the MLP's products wait on their arithmetic: read during the products, the blocks are in the
+// caches (L2, and L3 as L2 lets them go) when attention comes. Each thread of the products asks for its
+// share, a step's worth at every step of their passes (step(share)), in the order attention will take
+// them: the queries' (query, KV head) pieces cut into `shares` contiguous runs of equal lines.
+class KvWarmup {
+ public:
+  static constexpr int64_t kMostShares = 8;  // threads that can take a share (more take none)
+
+  KvWarmup(const char* k_cache, const char* v_cache, int64_t head_bytes, const int32_t* tables, int64_t table_stride,
+           const int32_t* lens, int64_t queries, int64_t kv_heads, int64_t block_size, int64_t block_bytes,
+           int64_t shares, int64_t steps_per_share)
+      : k_(k_cache), v_(v_cache), head_bytes_(head_bytes), tables_(tables), table_stride_(table_stride), lens_(lens),
+        kv_heads_(kv_heads), block_size_(block_size), block_bytes_(block_bytes),
+        shares_(std::clamp<int64_t>(shares, 1, kMostShares)) {
+    shares = shares_;
+    const int64_t pieces = queries * kv_heads, lines_per_block = (block_bytes + 63) / 64;
+    std::vector<int64_t> lines(pieces + 1, 0);  // lines before piece p
+    for (int64_t p = 0; p < pieces; ++p) lines[p + 1] = lines[p] + blocks_of(p / kv_heads) * lines_per_block;
+    int64_t piece = 0;
+    for (int64_t s = 0; s < shares; ++s) {
+      Cursor& c = cursors_[s];
+      c.piece = piece;
+      while (piece < pieces && lines[piece + 1] * shares <= lines[pieces] * (s + 1)) ++piece;
+      if (s == shares - 1) piece = pieces;
+      c.end = piece;
+      const int64_t own_lines = lines[c.end] - lines[c.piece];
+      c.per_step = (own_lines + steps_per_share - 1) / std::max<int64_t>(1, steps_per_share);
+    }
+  }
+
+  // Share `share`'s next lines: per_step of the keys and as many of the values, each line's address handed
+  // to ask. By default asked for as prefetcht2 asks: into the outer caches, not into L1, where the products
+  // keep their own lines.
+  void step(int64_t share) {
+    step(share, [](const char* line) { __builtin_prefetch(line, 0, 1); });
+  }
+
+  template <typename Ask>
+  void step(int64_t share, const Ask& ask) {
+    if (share >= shares_) return;
+    Cursor& c = cursors_[share];
+    for (int64_t count = c.per_step; count > 0 && c.piece < c.end;) {
+      const int64_t n = c.piece / kv_heads_, head = c.piece % kv_heads_;
+      if (c.block >= blocks_of(n)) {
+        ++c.piece;
+        c.block = c.offset = 0;
+        continue;
+      }
+      const int64_t at = head * head_bytes_ + static_cast<int64_t>(tables_[n * table_stride_ + c.block]) * block_bytes_;
+      for (; count > 0 && c.offset < block_bytes_; --count, c.offset += 64) {
+        ask(k_ + at + c.offset);
+        ask(v_ + at + c.offset);
+      }
+      if (c.offset >= block_bytes_) {
+        c.offset = 0;
+        ++c.block;
+      }
+    }
+  }
+
+ private:
+  int64_t blocks_of(int64_t n) const { return lens_[n] > 0 ? (lens_[n] + block_size_ - 1) / block_size_ : 0; }
+
+  struct alignas(64) Cursor {  // a cache line each: the threads write theirs at every step
+    int64_t piece = 0, end = 0, block = 0, offset = 0, per_step = 0;
+  };
+  const char* k_;
+  const char* v_;
+  int64_t head_bytes_;
+  const int32_t* tables_;
+  int64_t table_stride_;
+  const int32_t* lens_;
+  int64_t kv_heads_, block_size_, block_bytes_, shares_;
+  Cursor cursors_[kMostShares];
+};
+
+// The warm-up the products step while it is set (KvWarmupScope): one at a time, set and cleared by the
+// calling thread between the products' parallel regions.
+inline KvWarmup*& active_kv_warmup() {
+  static KvWarmup* active = nullptr;
+  return active;
+}
+
+struct KvWarmupScope {
+  explicit KvWarmupScope(KvWarmup* warmup) { active_kv_warmup() = warmup; }
+  ~KvWarmupScope() { active_kv_warmup() = nullptr; }
+  KvWarmupScope(const KvWarmupScope&) = delete;
+  KvWarmupScope& operator=(const KvWarmupScope&) = delete;
+};
 
 }  // namespace llmq_prefetch

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "lane_maxima.h"
+#include "paged_prefetch.h"
 #include "work_split.h"
 
 namespace llmq_tiled {
@@ -191,13 +192,15 @@ constexpr int kDotRows = 8;
 
 template <int Rows>
 inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
-                     int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, const uint16_t* tiles,
-                     int64_t pair, int64_t pairs, int64_t col_blocks, float (*c)[2][kTileRows][16], int first) {
+                     int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, llmq_prefetch::KvWarmup* warmup,
+                     int64_t share, const uint16_t* tiles, int64_t pair, int64_t pairs, int64_t col_blocks,
+                     float (*c)[2][kTileRows][16], int first) {
   __m512 acc[Rows][2];
   for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (prefetch) prefetch_weight_step(tiles, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
     next_chunk.step();
+    if (warmup != nullptr) warmup->step(share);
     const uint16_t* t0 = b0 + kt * kTileElements;
     const uint16_t* t1 = b1 + kt * kTileElements;
     const uint16_t* a = a0 + kt * kTileInputs;
@@ -320,6 +323,12 @@ inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t*
   for (int j = 0; j < count; ++j) _mm512_storeu_ps(out[j], acc[j]);
 }
 
+// The k-steps of dot_rows that multiply_in_vectors takes over a [rows, K] times `tiles`, all threads' together.
+inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
+  const int64_t k_tiles = tiles.size(-3), col_blocks = tiles.numel() / (k_tiles * kTileElements);
+  return (col_blocks + 1) / 2 * ((rows + kDotRows - 1) / kDotRows) * k_tiles;
+}
+
 // `multiply` in AVX512-BF16's dot products, for a [M, K] of any M: the same runs and passes, each pass's
 // rows taken kDotRows at a time with their sums in registers.
 template <typename Emit>
@@ -335,8 +344,10 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
   const bool spread = m >= kSpreadRows && chunk_bytes <= kSpreadChunkBytes;
   const int64_t passes_per_pair = (m + kDotRows - 1) / kDotRows;
+  llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
+    const int64_t share = at::get_thread_num();
     int64_t fetched = -1;  // the chunk asked for while the thread multiplied its last one
     for (int64_t chunk = runs.next(own); chunk >= 0; chunk = runs.next(own)) {
       const int64_t last_pair = std::min(split.pairs, (chunk + 1) * split.per_chunk);
@@ -360,8 +371,8 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
             const uint16_t* a0 = A + (row0 + first) * k;
             const bool prefetch = prefetch_first_pass && row0 == 0 && first == 0;
 #define LLMQ_DOT_ROWS(R)                                                                                   \
-  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, B, pair, split.pairs, col_blocks, c, \
-              first);                                                                                      \
+  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, warmup, share, B, pair, split.pairs,  \
+              col_blocks, c, first);                                                                       \
   break;
             switch (std::min<int64_t>(kDotRows, rows - first)) {
               case 1: LLMQ_DOT_ROWS(1)
