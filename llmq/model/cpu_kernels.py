@@ -170,8 +170,8 @@ class NativeKernels(TorchKernels):
         if weights is None:
             return None
         output, residual = hidden, None
-        # Each layer's MLP asks for the keys and values the next layer's attention will read (csrc:
-        # paged_prefetch.h, KvWarmup).
+        # Each layer's down projection asks for the keys and values the next layer's attention will read
+        # (csrc/paged_prefetch.h, KvWarmup).
         for layer_weights, kv_cache, next_cache in zip(weights, kv_caches, [*kv_caches[1:], None]):
             output, residual = self._run_layer(layer_weights, output, residual, cos, sin, kv_cache, meta, next_cache)
         return residual + output

@@ -1245,9 +1245,11 @@ struct NextCaches {
   const torch::Tensor* v_cache = nullptr;
 };
 
-// The warm-up of the next layer's keys and values over this layer's MLP, where its products run in
-// AVX512-BF16's dot products (the steps that ask for them) and every query is a decode with a block table
-// row of its own; else none.
+// The warm-up of the next layer's keys and values over this layer's down projection, where its products
+// run in AVX512-BF16's dot products (the steps that ask for them) and every query is a decode with a block
+// table row of its own; else none. Over the down projection alone, the last product before that attention:
+// asked for earlier (over the whole MLP, at a lower rate) the blocks wait longer in L3, where the other
+// cores' work may take them, and measured slower when the machine was busy.
 std::optional<llmq_prefetch::KvWarmup> next_layer_warmup(const LayerWeights& w, int64_t rows, const NextCaches& next,
                                                         const torch::Tensor& block_tables,
                                                         const torch::Tensor& context_lens,
@@ -1265,8 +1267,7 @@ std::optional<llmq_prefetch::KvWarmup> next_layer_warmup(const LayerWeights& w, 
               "decoder_layer: the next layer's caches must be contiguous [KVH, slots, head_dim], alike");
   const int64_t threads = at::get_num_threads();
   if (threads > llmq_prefetch::KvWarmup::kMostShares) return std::nullopt;
-  const int64_t steps = llmq_tiled::dot_steps(w.o, rows) + llmq_tiled::dot_steps(w.gate_up, rows) +
-                        llmq_tiled::dot_steps(w.down, rows);
+  const int64_t steps = llmq_tiled::dot_steps(w.down, rows);
   const int64_t element = k.element_size();
   return std::make_optional<llmq_prefetch::KvWarmup>(
       static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()), k.stride(0) * element,
@@ -1312,9 +1313,9 @@ std::vector<torch::Tensor> layer_rows(const LayerWeights& w, const torch::Tensor
                          context_lens, block_size, w.scale, token_rows, query_tables);
   std::optional<llmq_prefetch::KvWarmup> warmup = next_layer_warmup(w, rows, next, block_tables, context_lens,
                                                                      query_tables, block_size);
-  llmq_prefetch::KvWarmupScope warming(warmup ? &*warmup : nullptr);
   auto normed = add_rms_norm(product(attended, w.o, w.o_bias), stream, w.post_norm, w.eps);
   torch::Tensor gated = gated_product(normed[0], w.gate_up, w.gate_up_bias);
+  llmq_prefetch::KvWarmupScope warming(warmup ? &*warmup : nullptr);
   return {product(gated, w.down, w.down_bias), normed[1]};
 }
 

@@ -62,9 +62,9 @@ inline bool first_of_its_table(const int32_t* query_tables, int64_t n) {
 }
 
 // The keys and values that a layer's decode attention will read, asked for while the layer before it
-// multiplies its MLP. Decode attention waits on memory (its blocks lie anywhere in the cache, a few KiB
-// each) and the MLP's products wait on their arithmetic: read during the products, the blocks are in the
-// caches (L2, and L3 as L2 lets them go) when attention comes. Each thread of the products asks for its
+// multiplies (cpu_kernels.cpp: its down projection). Decode attention waits on memory (its blocks lie
+// anywhere in the cache, a few KiB each) and the products wait on their arithmetic: read during a product,
+// the blocks are in the caches (L2, and L3 as L2 lets them go) when attention comes. Each thread of the products asks for its
 // share, a step's worth at every step of their passes (step(share)), in the order attention will take
 // them: the queries' (query, KV head) pieces cut into `shares` contiguous runs of equal lines.
 class KvWarmup {
