@@ -101,7 +101,8 @@ class NativeKernels(TorchKernels):
     def __init__(self, module):
         self._ops = module
         # What multiplies bfloat16 weights laid out in tiles here (csrc/tiled_linear.h): "amx" (the CPU's
-        # matrix units) or "avx512-bf16" (its vector dot products); None where neither, and cpu_prepack.py
+        # matrix units), "avx512-bf16" (its vector dot products) or "avx512-widened" (the tiles widened to
+        # float32 on its multiply-adds, where those run the faster); None where none, and cpu_prepack.py
         # then packs bfloat16 weights for oneDNN instead of in tiles for tiled_linear.
         self.tiled_products = module.tiled_products() or None
         # What multiplies weights laid out in panels here (csrc/panel_linear.h): "avx512" or "avx2" (their

@@ -112,7 +112,7 @@ def add_greedy_screen(model: nn.Module, kernels) -> bool:
             or not model.has_greedy_head):
         return False
     if is_tiled(weight) and not is_paired(weight):
-        if kernels.tiled_products != "avx512-bf16":  # the matrix units' product: as fast without
+        if kernels.tiled_products == "amx":  # the matrix units' product: as fast without
             return False
     elif not (is_paneled(weight) and weight.dtype == torch.float32):
         return False

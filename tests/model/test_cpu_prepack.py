@@ -99,17 +99,20 @@ needs_tiles = pytest.mark.skipif(_tiled_products() is None,
                                  reason="no AVX512-BF16 here (or the CPU kernels did not build)")
 
 
-@pytest.fixture(params=["amx", "avx512-bf16"])
+@pytest.fixture(params=["amx", "avx512-bf16", "avx512-widened"])
 def tiled_path(request):
-    """Each path tiled_linear can take here: the matrix units (a CPU with AMX), and the dot products (any
-    CPU with AVX512-BF16; one with AMX too, with the matrix units turned off)."""
+    """Each path tiled_linear can take here: the matrix units (a CPU with AMX), and the dot products in
+    VDPBF16PS or over the tiles widened to float32 (any CPU with AVX512-BF16, whichever of the two it runs
+    faster; one with AMX too, with the matrix units turned off)."""
     available = _tiled_products()
     if available is None or (request.param == "amx" and available != "amx"):
         pytest.skip(f"tiled products on {request.param}: not on this CPU")
     ops = native_kernels()._ops
-    before = ops.allow_matrix_units(request.param == "amx")
+    allowed = ops.allow_matrix_units(request.param == "amx")
+    widened = ops.widen_tiles(request.param == "avx512-widened")
     yield request.param
-    ops.allow_matrix_units(before)
+    ops.allow_matrix_units(allowed)
+    ops.widen_tiles(widened)
 
 
 def test_tile_layout_is_the_one_the_matrix_units_read():

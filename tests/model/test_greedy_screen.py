@@ -3,6 +3,8 @@ its argmax is the whole product's exactly (ties, bfloat16 rounding, inputs it ca
 itself off where it does not pay, and that an engine generates the same tokens with it as without."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -17,21 +19,33 @@ from tests.model.conftest import one_thread_takes_every_run
 _kernels = native_kernels()
 needs_screen = pytest.mark.skipif(_kernels is None or not _kernels.screens_greedy_head,
                                   reason="no AVX512-VNNI here (or the CPU kernels did not build)")
-# The two heads the screen stands in front of: bfloat16 in tiles on AVX512-BF16's dot products, float32 in
-# panels on AVX-512.
+# The heads the screen stands in front of: bfloat16 in tiles on AVX512-BF16's dot products (in VDPBF16PS,
+# or widened to float32: a CPU with AVX512-BF16 runs either), float32 in panels on AVX-512.
+_TILES_IN_VECTORS = _kernels is not None and _kernels.tiled_products in ("avx512-bf16", "avx512-widened")
 HEADS = {
-    torch.bfloat16: (tile_weight, tiled_argmax,
-                     _kernels is not None and _kernels.tiled_products == "avx512-bf16"),
-    torch.float32: (panel_weight, panel_argmax, _kernels is not None and _kernels.panel_products == "avx512"),
+    "tiles": (torch.bfloat16, tile_weight, tiled_argmax, _TILES_IN_VECTORS),
+    "widened tiles": (torch.bfloat16, tile_weight, tiled_argmax, _TILES_IN_VECTORS),
+    "panels": (torch.float32, panel_weight, panel_argmax, _kernels is not None and _kernels.panel_products == "avx512"),
 }
 
 
-@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["tiles", "panels"])
+@contextlib.contextmanager
+def tiles_widened(widened: bool):
+    """The tiles' dot products in VDPBF16PS, or widened to float32 (tiled_linear.h's widens_tiles)."""
+    before = _kernels._ops.widen_tiles(widened)
+    try:
+        yield
+    finally:
+        _kernels._ops.widen_tiles(before)
+
+
+@pytest.fixture(params=list(HEADS))
 def head_kind(request):
-    layout, whole, available = HEADS[request.param]
+    dtype, layout, whole, available = HEADS[request.param]
     if _kernels is None or not _kernels.screens_greedy_head or not available:
         pytest.skip(f"no screened {request.param} head on this CPU")
-    return request.param, layout, whole
+    with tiles_widened(request.param == "widened tiles") if dtype == torch.bfloat16 else contextlib.nullcontext():
+        yield dtype, layout, whole
 
 
 def test_the_screen_holds_each_columns_int8_values_by_input_quad():
@@ -104,11 +118,12 @@ def test_equal_logits_give_the_first_column(head_kind):
 
 
 @needs_screen
-def test_logits_that_round_to_one_bfloat16_value_give_the_first_column():
+@pytest.mark.parametrize("widened", [False, True], ids=["VDPBF16PS", "widened"])
+def test_logits_that_round_to_one_bfloat16_value_give_the_first_column(widened):
     """The tiled head's argmax is over bfloat16 logits: a column whose float32 sum is a little lower, but
     rounds to the same value as the largest, wins where it comes first."""
-    dtype, layout, whole = torch.bfloat16, *HEADS[torch.bfloat16][:2]
-    if not HEADS[torch.bfloat16][2]:
+    dtype, layout, whole, available = HEADS["tiles"]
+    if not available:
         pytest.skip("no tiled products on AVX512-BF16's dot products here")
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(1024, 64, generator=generator) * 0.05
@@ -120,7 +135,8 @@ def test_logits_that_round_to_one_bfloat16_value_give_the_first_column():
     x = lead.expand(4, 64)
     logits = x.to(dtype).float() @ weight.to(dtype).float().T
     assert logits[0, 300] < logits[0, 700]  # in float32, column 700 leads
-    expected, found, _ = _whole_and_screened(dtype, layout, whole, weight, x)
+    with tiles_widened(widened):
+        expected, found, _ = _whole_and_screened(dtype, layout, whole, weight, x)
     if not (expected == 300).all():
         pytest.skip("these two did not round to one bfloat16 value here")
     assert torch.equal(found, expected)

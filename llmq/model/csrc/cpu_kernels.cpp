@@ -943,12 +943,27 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 // ---- bfloat16 products over weights laid out in tiles ----------------------------------------------
 
 // What runs tiled_linear here: "amx" (the matrix units: built for a CPU with AMX, and the kernel lets this
-// process use them), "avx512-bf16" (the vector dot products), or "" where this build has neither.
+// process use them), "avx512-bf16" (the vector dot products), "avx512-widened" (the tiles widened to float32
+// on AVX-512's multiply-adds, where the dot products are the slower: tiled_linear.h's widens_tiles), or ""
+// where this build has none of them.
 std::string tiled_products() {
 #ifdef LLMQ_HAS_TILED_LINEAR
-  return llmq_tiled::on_matrix_units() ? "amx" : "avx512-bf16";
+  if (llmq_tiled::on_matrix_units()) return "amx";
+  return llmq_tiled::widens_tiles() ? "avx512-widened" : "avx512-bf16";
 #else
   return "";
+#endif
+}
+
+// Makes the dot products' path of tiled_linear widen the tiles to float32 (true) or take VDPBF16PS (false),
+// whichever this CPU runs faster (the tests check both paths); returns whether it widened before.
+bool widen_tiles(bool widened) {
+#ifdef LLMQ_HAS_TILED_LINEAR
+  const bool before = llmq_tiled::widens_tiles();
+  llmq_tiled::widening_choice().store(widened ? 1 : 0);
+  return before;
+#else
+  return widened;
 #endif
 }
 
@@ -1404,8 +1419,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef LLMQ_HAS_ARGMAX_ROWS
   m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equals) in one pass");
 #endif
-  m.def("tiled_products", &tiled_products, "what runs tiled_linear on this CPU: amx, avx512-bf16, or none");
+  m.def("tiled_products", &tiled_products, "what runs tiled_linear on this CPU: amx, avx512-bf16, avx512-widened, or none");
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
+  m.def("widen_tiles", &widen_tiles, "whether tiled_linear's dot products widen the tiles to float32 (tests)");
   m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
         py::arg("chunks"), py::arg("parts"), py::arg("callers"));
   m.def("kv_warmup_lines", &kv_warmup_lines, "the lines a KvWarmup asks for, share by share (tests)",

@@ -1,6 +1,8 @@
 // bfloat16 matrix products for weights laid out in tiles once at load (llmq/model/cpu_prepack.py's
 // tile_weight), included by cpu_kernels.cpp: on the CPU's matrix units where it has AMX, else in
-// AVX512-BF16's dot products (VDPBF16PS), which read the same layout.
+// AVX512-BF16's dot products (VDPBF16PS), which read the same layout, or, on a CPU whose VDPBF16PS is slow
+// beside its float32 multiply-adds, in those multiply-adds over the same tiles widened as they are read
+// (`widens_tiles`, below).
 //
 // Why a kernel of our own: a decode step's products have few rows, so what they cost is reading the weight
 // from memory, and oneDNN's product (with its weight prepacked) reads it well below the memory's speed at
@@ -27,8 +29,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "lane_maxima.h"
@@ -102,6 +106,85 @@ inline bool on_matrix_units() {
 #else
   return false;
 #endif
+}
+
+// Whether a VDPBF16PS (32 multiply-adds) runs at less than `ratio` of the rate of AVX-512's float32
+// multiply-adds (16 each) on this core, timed over independent chains of each. On some CPUs (an AMD Zen 4)
+// the two run at one rate, so the dot products do twice the arithmetic; on others (an Intel Xeon whose
+// matrix units the kernel does not hand out) VDPBF16PS issues at a quarter of their rate, and the same
+// tiles widened to float32 go twice as fast through the multiply-adds (README: CPU kernels, "bfloat16 tiles
+// widened to float32").
+inline bool dot_products_slower_than_widened(double ratio) {
+  constexpr int64_t kSteps = 4096;
+  const auto time_it = [](auto&& body) {
+    double best = 1e30;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const auto started = std::chrono::steady_clock::now();
+      body();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    }
+    return best;
+  };
+  volatile float sink = 0;
+  const double dots = time_it([&] {
+    // Twelve chains, each from a value of its own: chains that start equal and take the same steps are
+    // one chain to the compiler.
+#define LLMQ_PROBE_CHAINS                                                                               \
+  __m512 c0 = _mm512_set1_ps(0.0f), c1 = _mm512_set1_ps(1.0f), c2 = _mm512_set1_ps(2.0f),              \
+         c3 = _mm512_set1_ps(3.0f), c4 = _mm512_set1_ps(4.0f), c5 = _mm512_set1_ps(5.0f),              \
+         c6 = _mm512_set1_ps(6.0f), c7 = _mm512_set1_ps(7.0f), c8 = _mm512_set1_ps(8.0f),              \
+         c9 = _mm512_set1_ps(9.0f), c10 = _mm512_set1_ps(10.0f), c11 = _mm512_set1_ps(11.0f);
+    LLMQ_PROBE_CHAINS
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80), y = x;
+    for (int64_t i = 0; i < kSteps; ++i) {
+      asm volatile("" : "+v"(x), "+v"(y));  // the operands unknown to the compiler: nothing is folded
+#define LLMQ_PROBE_DOT(R) c##R = _mm512_dpbf16_ps(c##R, x, y);
+      LLMQ_PROBE_DOT(0) LLMQ_PROBE_DOT(1) LLMQ_PROBE_DOT(2) LLMQ_PROBE_DOT(3) LLMQ_PROBE_DOT(4) LLMQ_PROBE_DOT(5)
+      LLMQ_PROBE_DOT(6) LLMQ_PROBE_DOT(7) LLMQ_PROBE_DOT(8) LLMQ_PROBE_DOT(9) LLMQ_PROBE_DOT(10) LLMQ_PROBE_DOT(11)
+#undef LLMQ_PROBE_DOT
+    }
+    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
+  });
+  const double fmas = time_it([&] {
+    LLMQ_PROBE_CHAINS
+#undef LLMQ_PROBE_CHAINS
+    __m512 x = _mm512_set1_ps(1.0f), y = x;
+    for (int64_t i = 0; i < kSteps; ++i) {
+      asm volatile("" : "+v"(x), "+v"(y));
+#define LLMQ_PROBE_FMA(R) c##R = _mm512_fmadd_ps(x, y, c##R);
+      LLMQ_PROBE_FMA(0) LLMQ_PROBE_FMA(1) LLMQ_PROBE_FMA(2) LLMQ_PROBE_FMA(3) LLMQ_PROBE_FMA(4) LLMQ_PROBE_FMA(5)
+      LLMQ_PROBE_FMA(6) LLMQ_PROBE_FMA(7) LLMQ_PROBE_FMA(8) LLMQ_PROBE_FMA(9) LLMQ_PROBE_FMA(10) LLMQ_PROBE_FMA(11)
+#undef LLMQ_PROBE_FMA
+    }
+    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
+  });
+  // Multiply-adds a second: 32 a dot product, 16 a float32 one.
+  return 32.0 / dots < ratio * 16.0 / fmas;
+}
+
+// The widened path does two float32 multiply-adds for each VDPBF16PS it replaces, and a shift and a mask
+// for each weight vector, shared by a pass's eight rows (a ninth more work on the same ports): it pays
+// where the dot products' multiply-adds a second fall below about 0.9 of the float32 ones'. The margin
+// below that is for the timing's noise.
+constexpr double kWideningPaysBelow = 0.7;
+
+// Whether the products widen the tiles to float32 (1), use VDPBF16PS (0), or have not decided yet (-1: the
+// first call times both here). The tests set it to check both paths on one CPU.
+inline std::atomic<int>& widening_choice() {
+  static std::atomic<int> choice{-1};
+  return choice;
+}
+
+// Whether the dot products' path (not the matrix units') multiplies the tiles widened to float32 on
+// AVX-512's multiply-adds, rather than in VDPBF16PS.
+inline bool widens_tiles() {
+  int choice = widening_choice().load(std::memory_order_relaxed);
+  if (choice < 0) {
+    choice = dot_products_slower_than_widened(kWideningPaysBelow) ? 1 : 0;
+    int unset = -1;
+    if (!widening_choice().compare_exchange_strong(unset, choice)) choice = unset;
+  }
+  return choice == 1;
 }
 
 // Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
@@ -188,10 +271,49 @@ using llmq_split::NextChunkFetch;
 // where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32), asking for
 // next_chunk's lines as it goes. Eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
 // 2,048 rows on an AMD Zen 4.
+// The rows are bfloat16 (In = uint16_t), for VDPBF16PS, or the same values widened to float32 (In = float,
+// widened_rows), for the multiply-adds over each tile row's pairs split into their even and odd inputs
+// (widens_tiles).
 constexpr int kDotRows = 8;
 
-template <int Rows>
-inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
+// A tile row's 16 pairs widened to float32: the even inputs' weights (the low halves) and the odd ones'.
+struct WidenedPairs {
+  __m512 even, odd;
+};
+inline WidenedPairs widened_pairs(__m512i pairs) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+
+// sum + x0 * w.even + x1 * w.odd, in that order: the widened path's step for one row and one tile row.
+inline __m512 widened_step(__m512 sum, float x0, float x1, const WidenedPairs& w) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(x1), w.odd, _mm512_fmadd_ps(_mm512_set1_ps(x0), w.even, sum));
+}
+
+inline float bfloat16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+// The rows of a [count] bfloat16 values as float32, in a buffer of the calling thread's (valid until its
+// next call): the widened path's inputs.
+inline const float* widened_rows(const uint16_t* a, int64_t count) {
+  thread_local std::vector<float> rows;
+  if (static_cast<int64_t>(rows.size()) < count) rows.resize(count);
+  float* out = rows.data();
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)));
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+  for (; i < count; ++i) out[i] = bfloat16_value(a[i]);
+  return out;
+}
+
+template <int Rows, typename In>
+inline void dot_rows(const In* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
                      int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, llmq_prefetch::KvWarmup* warmup,
                      int64_t share, const uint16_t* tiles, int64_t pair, int64_t pairs, int64_t col_blocks,
                      float (*c)[2][kTileRows][16], int first) {
@@ -203,16 +325,25 @@ inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const ui
     if (warmup != nullptr) warmup->step(share);
     const uint16_t* t0 = b0 + kt * kTileElements;
     const uint16_t* t1 = b1 + kt * kTileElements;
-    const uint16_t* a = a0 + kt * kTileInputs;
+    const In* a = a0 + kt * kTileInputs;
     for (int r = 0; r < kTileRows; ++r) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t0 + r * kTileInputs);
-      const __m512bh w1 = two_cols ? (__m512bh)_mm512_loadu_si512(t1 + r * kTileInputs) : w0;
-      for (int i = 0; i < Rows; ++i) {
-        int32_t both;
-        std::memcpy(&both, a + i * k + 2 * r, 4);
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
-        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+      const __m512i p0 = _mm512_loadu_si512(t0 + r * kTileInputs);
+      const __m512i p1 = two_cols ? _mm512_loadu_si512(t1 + r * kTileInputs) : p0;
+      if constexpr (std::is_same_v<In, float>) {
+        const WidenedPairs w0 = widened_pairs(p0), w1 = widened_pairs(p1);
+        for (int i = 0; i < Rows; ++i) {
+          const float x0 = a[i * k + 2 * r], x1 = a[i * k + 2 * r + 1];
+          acc[i][0] = widened_step(acc[i][0], x0, x1, w0);
+          acc[i][1] = widened_step(acc[i][1], x0, x1, w1);
+        }
+      } else {
+        for (int i = 0; i < Rows; ++i) {
+          int32_t both;
+          std::memcpy(&both, a + i * k + 2 * r, 4);
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
+          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, (__m512bh)p0);
+          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, (__m512bh)p1);
+        }
       }
     }
   }
@@ -299,10 +430,12 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
 #endif
 
 // One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
-// made as dot_rows makes them, step for step, so they are the same sums (greedy_screen.h multiplies a
-// row's candidate blocks again with it). The blocks' chains of dot products run side by side.
-inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
-                             int count, float (*out)[16]) {
+// made as dot_rows makes them, step for step (in VDPBF16PS, or widened where widens_tiles), so they are
+// the same sums (greedy_screen.h multiplies a row's candidate blocks again with it). The blocks' chains
+// run side by side.
+template <bool Widened>
+inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
+                                int count, float (*out)[16]) {
   constexpr int kMost = 8;
   const uint16_t* b[kMost];
   __m512 acc[kMost];
@@ -312,15 +445,34 @@ inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t*
   }
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     for (int r = 0; r < kTileRows; ++r) {
-      int32_t both;
-      std::memcpy(&both, a + kt * kTileInputs + 2 * r, 4);
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
+      const uint16_t* x = a + kt * kTileInputs + 2 * r;
+      if constexpr (Widened) {
+        const float x0 = bfloat16_value(x[0]), x1 = bfloat16_value(x[1]);
 #pragma GCC unroll 8
-      for (int j = 0; j < kMost; ++j)
-        acc[j] = _mm512_dpbf16_ps(acc[j], x, (__m512bh)_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs));
+        for (int j = 0; j < kMost; ++j)
+          acc[j] = widened_step(acc[j], x0, x1,
+                                widened_pairs(_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs)));
+      } else {
+        int32_t both;
+        std::memcpy(&both, x, 4);
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(both);
+#pragma GCC unroll 8
+        for (int j = 0; j < kMost; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], pair,
+                                    (__m512bh)_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs));
+      }
     }
   }
   for (int j = 0; j < count; ++j) _mm512_storeu_ps(out[j], acc[j]);
+}
+
+inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
+                             int count, float (*out)[16]) {
+  if (widens_tiles()) {
+    row_times_blocks_as<true>(a, k_tiles, tiles, blocks, count, out);
+  } else {
+    row_times_blocks_as<false>(a, k_tiles, tiles, blocks, count, out);
+  }
 }
 
 // The k-steps of dot_rows that multiply_in_vectors takes over a [rows, K] times `tiles`, all threads' together.
@@ -329,13 +481,13 @@ inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
   return (col_blocks + 1) / 2 * ((rows + kDotRows - 1) / kDotRows) * k_tiles;
 }
 
-// `multiply` in AVX512-BF16's dot products, for a [M, K] of any M: the same runs and passes, each pass's
-// rows taken kDotRows at a time with their sums in registers.
-template <typename Emit>
-void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
+// `multiply` in AVX512-BF16's dot products (In = uint16_t: A holds the bfloat16 rows) or in the widened
+// multiply-adds (In = float: A holds them widened), for [M, K] of any M: the same runs and passes, each
+// pass's rows taken kDotRows at a time with their sums in registers.
+template <typename In, typename Emit>
+void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emit& emit) {
   const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
-  const int64_t m = a.size(0), row_tiles = (m + kTileRows - 1) / kTileRows;
-  const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   const uint16_t* B = w.tiles;
   const PairRuns split(w, row_tiles);
   const int64_t threads = llmq_split::threads_for(split.chunks);
@@ -368,7 +520,7 @@ void multiply_in_vectors(const at::Tensor& a, const TiledWeight& w, const Emit& 
           const uint16_t* b0 = B + block * k_tiles * kTileElements;
           const uint16_t* b1 = b0 + k_tiles * kTileElements;
           for (int first = 0; first < rows; first += kDotRows) {
-            const uint16_t* a0 = A + (row0 + first) * k;
+            const In* a0 = A + (row0 + first) * k;
             const bool prefetch = prefetch_first_pass && row0 == 0 && first == 0;
 #define LLMQ_DOT_ROWS(R)                                                                                   \
   dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, warmup, share, B, pair, split.pairs,  \
@@ -407,13 +559,19 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
 #ifdef LLMQ_HAS_AMX
   if (on_matrix_units()) return multiply_on_tiles(a, w, emit);
 #endif
-  const int64_t m = a.size(0);
-  if (m <= kDotRowBlock) return multiply_in_vectors(a, w, emit);
+  const int64_t m = a.size(0), k = w.k_tiles * kTileInputs;
+  const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const bool widened = widens_tiles();
   for (int64_t first = 0; first < m; first += kDotRowBlock) {
-    multiply_in_vectors(a.narrow(0, first, std::min(kDotRowBlock, m - first)), w,
-                        [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
-                          emit(c, row_tiles, col_tiles, first + row0, pair);
-                        });
+    const int64_t rows = std::min(kDotRowBlock, m - first);
+    const auto block_emit = [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
+      emit(c, row_tiles, col_tiles, first + row0, pair);
+    };
+    if (widened) {
+      multiply_in_vectors(widened_rows(A + first * k, rows * k), rows, w, block_emit);
+    } else {
+      multiply_in_vectors(A + first * k, rows, w, block_emit);
+    }
   }
 }
 
