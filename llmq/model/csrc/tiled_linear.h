@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,7 @@
 
 #include "lane_maxima.h"
 #include "paged_prefetch.h"
+#include "panel_linear.h"  // load16: the panels widen bfloat16 as the widened tiles do
 #include "work_split.h"
 
 namespace llmq_tiled {
@@ -108,6 +110,34 @@ inline bool on_matrix_units() {
 #endif
 }
 
+// The best of three times of 4,096 steps of twelve independent chains, c = step(c, x), each from a value of
+// its own (chains that start equal and take the same steps are one chain to the compiler); x is hidden from
+// the compiler at every step, so nothing is folded.
+template <typename Operand, typename Step>
+double chains_seconds(Operand x, const Step& step) {
+  constexpr int64_t kSteps = 4096;
+  volatile float sink = 0;
+  double best = 1e30;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    __m512 c0 = _mm512_set1_ps(0.0f), c1 = _mm512_set1_ps(1.0f), c2 = _mm512_set1_ps(2.0f),
+           c3 = _mm512_set1_ps(3.0f), c4 = _mm512_set1_ps(4.0f), c5 = _mm512_set1_ps(5.0f),
+           c6 = _mm512_set1_ps(6.0f), c7 = _mm512_set1_ps(7.0f), c8 = _mm512_set1_ps(8.0f),
+           c9 = _mm512_set1_ps(9.0f), c10 = _mm512_set1_ps(10.0f), c11 = _mm512_set1_ps(11.0f);
+    const auto started = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kSteps; ++i) {
+      asm volatile("" : "+v"(x));
+#define LLMQ_PROBE_STEP(R) c##R = step(c##R, x);
+      LLMQ_PROBE_STEP(0) LLMQ_PROBE_STEP(1) LLMQ_PROBE_STEP(2) LLMQ_PROBE_STEP(3) LLMQ_PROBE_STEP(4)
+      LLMQ_PROBE_STEP(5) LLMQ_PROBE_STEP(6) LLMQ_PROBE_STEP(7) LLMQ_PROBE_STEP(8) LLMQ_PROBE_STEP(9)
+      LLMQ_PROBE_STEP(10) LLMQ_PROBE_STEP(11)
+#undef LLMQ_PROBE_STEP
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
+  }
+  return best;
+}
+
 // Whether a VDPBF16PS (32 multiply-adds) runs at less than `ratio` of the rate of AVX-512's float32
 // multiply-adds (16 each) on this core, timed over independent chains of each. On some CPUs (an AMD Zen 4)
 // the two run at one rate, so the dot products do twice the arithmetic; on others (an Intel Xeon whose
@@ -115,49 +145,9 @@ inline bool on_matrix_units() {
 // tiles widened to float32 go twice as fast through the multiply-adds (README: CPU kernels, "bfloat16 tiles
 // widened to float32").
 inline bool dot_products_slower_than_widened(double ratio) {
-  constexpr int64_t kSteps = 4096;
-  const auto time_it = [](auto&& body) {
-    double best = 1e30;
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      const auto started = std::chrono::steady_clock::now();
-      body();
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-    }
-    return best;
-  };
-  volatile float sink = 0;
-  const double dots = time_it([&] {
-    // Twelve chains, each from a value of its own: chains that start equal and take the same steps are
-    // one chain to the compiler.
-#define LLMQ_PROBE_CHAINS                                                                               \
-  __m512 c0 = _mm512_set1_ps(0.0f), c1 = _mm512_set1_ps(1.0f), c2 = _mm512_set1_ps(2.0f),              \
-         c3 = _mm512_set1_ps(3.0f), c4 = _mm512_set1_ps(4.0f), c5 = _mm512_set1_ps(5.0f),              \
-         c6 = _mm512_set1_ps(6.0f), c7 = _mm512_set1_ps(7.0f), c8 = _mm512_set1_ps(8.0f),              \
-         c9 = _mm512_set1_ps(9.0f), c10 = _mm512_set1_ps(10.0f), c11 = _mm512_set1_ps(11.0f);
-    LLMQ_PROBE_CHAINS
-    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80), y = x;
-    for (int64_t i = 0; i < kSteps; ++i) {
-      asm volatile("" : "+v"(x), "+v"(y));  // the operands unknown to the compiler: nothing is folded
-#define LLMQ_PROBE_DOT(R) c##R = _mm512_dpbf16_ps(c##R, x, y);
-      LLMQ_PROBE_DOT(0) LLMQ_PROBE_DOT(1) LLMQ_PROBE_DOT(2) LLMQ_PROBE_DOT(3) LLMQ_PROBE_DOT(4) LLMQ_PROBE_DOT(5)
-      LLMQ_PROBE_DOT(6) LLMQ_PROBE_DOT(7) LLMQ_PROBE_DOT(8) LLMQ_PROBE_DOT(9) LLMQ_PROBE_DOT(10) LLMQ_PROBE_DOT(11)
-#undef LLMQ_PROBE_DOT
-    }
-    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
-  });
-  const double fmas = time_it([&] {
-    LLMQ_PROBE_CHAINS
-#undef LLMQ_PROBE_CHAINS
-    __m512 x = _mm512_set1_ps(1.0f), y = x;
-    for (int64_t i = 0; i < kSteps; ++i) {
-      asm volatile("" : "+v"(x), "+v"(y));
-#define LLMQ_PROBE_FMA(R) c##R = _mm512_fmadd_ps(x, y, c##R);
-      LLMQ_PROBE_FMA(0) LLMQ_PROBE_FMA(1) LLMQ_PROBE_FMA(2) LLMQ_PROBE_FMA(3) LLMQ_PROBE_FMA(4) LLMQ_PROBE_FMA(5)
-      LLMQ_PROBE_FMA(6) LLMQ_PROBE_FMA(7) LLMQ_PROBE_FMA(8) LLMQ_PROBE_FMA(9) LLMQ_PROBE_FMA(10) LLMQ_PROBE_FMA(11)
-#undef LLMQ_PROBE_FMA
-    }
-    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
-  });
+  const double dots = chains_seconds((__m512bh)_mm512_set1_epi32(0x3F803F80),
+                                     [](__m512 c, __m512bh x) { return _mm512_dpbf16_ps(c, x, x); });
+  const double fmas = chains_seconds(_mm512_set1_ps(1.0f), [](__m512 c, __m512 x) { return _mm512_fmadd_ps(x, x, c); });
   // Multiply-adds a second: 32 a dot product, 16 a float32 one.
   return 32.0 / dots < ratio * 16.0 / fmas;
 }
@@ -290,12 +280,7 @@ inline __m512 widened_step(__m512 sum, float x0, float x1, const WidenedPairs& w
   return _mm512_fmadd_ps(_mm512_set1_ps(x1), w.odd, _mm512_fmadd_ps(_mm512_set1_ps(x0), w.even, sum));
 }
 
-inline float bfloat16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, 4);
-  return value;
-}
+inline float bfloat16_value(uint16_t bits) { return c10::BFloat16(bits, c10::BFloat16::from_bits()); }
 
 // The rows of a [count] bfloat16 values as float32, in a buffer of the calling thread's (valid until its
 // next call): the widened path's inputs.
@@ -304,10 +289,7 @@ inline const float* widened_rows(const uint16_t* a, int64_t count) {
   if (static_cast<int64_t>(rows.size()) < count) rows.resize(count);
   float* out = rows.data();
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)));
-    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-  }
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(out + i, llmq_panels::load16(a + i));
   for (; i < count; ++i) out[i] = bfloat16_value(a[i]);
   return out;
 }
