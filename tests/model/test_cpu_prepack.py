@@ -148,6 +148,22 @@ def test_tiled_products_agree_with_a_float32_product_rounded_once(tiled_path, ro
     assert torch.equal(linear(wide, tile_weight(weight), bias), out)
 
 
+def test_tiled_dot_products_give_each_row_the_same_sums_whatever_rows_share_its_call(tiled_path):
+    # The dot products take a group of 32 rows in passes of nearly equal size (up to 8 rows in VDPBF16PS,
+    # 12 widened): every count up to 40 runs every pass size, and past a group. Each row's sums run over
+    # its inputs in the same order whatever its pass: its output is the one it gets alone.
+    if tiled_path == "amx":
+        pytest.skip("the matrix units take whole tiles of 16 rows, not passes")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(80, 512, generator=generator).to(torch.bfloat16)  # 5 column tiles: an odd last pair
+    x = torch.randn(40, 512, generator=generator).to(torch.bfloat16)
+    tiles = tile_weight(weight)
+    alone = torch.cat([linear(x[i:i + 1], tiles, None) for i in range(x.shape[0])])
+    torch.testing.assert_close(alone.float(), x.float() @ weight.float().T, rtol=2 ** -7, atol=1e-3)
+    for rows in range(1, 41):
+        assert torch.equal(linear(x[:rows], tiles, None), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("rows", [5, 6, 64])
 def test_tiled_products_over_many_chunks_a_thread_agree_with_a_float32_product(tiled_path, rows):
     """A weight of 64 column pairs of 16 k-steps: several chunks for each thread, so that from 6 rows the

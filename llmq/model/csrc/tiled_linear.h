@@ -257,14 +257,17 @@ struct PairRuns {
 
 using llmq_split::NextChunkFetch;
 
-// Rows (at most kDotRows) rows of a, from `a0` (row stride k), times one column pair's tiles b0 (and b1
-// where two_cols) over every k-step, into the results' rows from `first` (of the pass's 32), asking for
-// next_chunk's lines as it goes. Eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
-// 2,048 rows on an AMD Zen 4.
+// Rows (at most kDotRows, or kWidenedDotRows widened) rows of a, from `a0` (row stride k), times one column
+// pair's tiles b0 (and b1 where two_cols) over every k-step, into the results' rows from `first` (of the
+// pass's 32), asking for next_chunk's lines as it goes.
 // The rows are bfloat16 (In = uint16_t), for VDPBF16PS, or the same values widened to float32 (In = float,
 // widened_rows), for the multiply-adds over each tile row's pairs split into their even and odd inputs
-// (widens_tiles).
+// (widens_tiles). In VDPBF16PS eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
+// 2,048 rows on an AMD Zen 4. Widened, a tile row's pairs cost a shift and a mask each on the ports the
+// multiply-adds take, whatever the rows: twelve rows share them among 48 multiply-adds, not 32, and a
+// group of 9 to 12 rows (a decode step's) is one pass over the weight, not a pass of 8 and a short one.
 constexpr int kDotRows = 8;
+constexpr int kWidenedDotRows = 12;
 
 // A tile row's 16 pairs widened to float32: the even inputs' weights (the low halves) and the odd ones'.
 struct WidenedPairs {
@@ -457,15 +460,46 @@ inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t*
   }
 }
 
+// dot_rows<count> for a count known at run time: 1 to kDotRows, widened (In = float) to kWidenedDotRows.
+template <typename In, typename... Rest>
+inline void dot_rows_for(int64_t count, const In* a0, Rest&&... rest) {
+  switch (count) {
+    case 1: return dot_rows<1>(a0, rest...);
+    case 2: return dot_rows<2>(a0, rest...);
+    case 3: return dot_rows<3>(a0, rest...);
+    case 4: return dot_rows<4>(a0, rest...);
+    case 5: return dot_rows<5>(a0, rest...);
+    case 6: return dot_rows<6>(a0, rest...);
+    case 7: return dot_rows<7>(a0, rest...);
+    case 8: return dot_rows<8>(a0, rest...);
+  }
+  if constexpr (std::is_same_v<In, float>) {
+    switch (count) {
+      case 9: return dot_rows<9>(a0, rest...);
+      case 10: return dot_rows<10>(a0, rest...);
+      case 11: return dot_rows<11>(a0, rest...);
+      case 12: return dot_rows<12>(a0, rest...);
+    }
+  }
+  TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
+}
+
+// The passes multiply_in_vectors makes over each column pair for `rows` rows, taking a group of 32 (the
+// last: what is left) in passes of at most `most` rows each.
+inline int64_t passes_over_pair(int64_t rows, int64_t most) {
+  const int64_t groups = rows / (2 * kTileRows), rest = rows % (2 * kTileRows);
+  return groups * ((2 * kTileRows + most - 1) / most) + (rest + most - 1) / most;
+}
+
 // The k-steps of dot_rows that multiply_in_vectors takes over a [rows, K] times `tiles`, all threads' together.
 inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
   const int64_t k_tiles = tiles.size(-3), col_blocks = tiles.numel() / (k_tiles * kTileElements);
-  return (col_blocks + 1) / 2 * ((rows + kDotRows - 1) / kDotRows) * k_tiles;
+  return (col_blocks + 1) / 2 * passes_over_pair(rows, widens_tiles() ? kWidenedDotRows : kDotRows) * k_tiles;
 }
 
 // `multiply` in AVX512-BF16's dot products (In = uint16_t: A holds the bfloat16 rows) or in the widened
 // multiply-adds (In = float: A holds them widened), for [M, K] of any M: the same runs and passes, each
-// pass's rows taken kDotRows at a time with their sums in registers.
+// group of 32 rows taken in passes of up to kDotRows (widened: kWidenedDotRows) rows, their sums in registers.
 template <typename In, typename Emit>
 void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emit& emit) {
   const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
@@ -477,7 +511,8 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
   const int64_t chunk_bytes = split.per_chunk * split.pair_bytes;
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
   const bool spread = m >= kSpreadRows && chunk_bytes <= kSpreadChunkBytes;
-  const int64_t passes_per_pair = (m + kDotRows - 1) / kDotRows;
+  const int64_t most = std::is_same_v<In, float> ? kWidenedDotRows : kDotRows;
+  const int64_t passes_per_pair = passes_over_pair(m, most);
   llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
@@ -501,24 +536,14 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
           const bool two_cols = block + 1 < col_blocks;
           const uint16_t* b0 = B + block * k_tiles * kTileElements;
           const uint16_t* b1 = b0 + k_tiles * kTileElements;
-          for (int first = 0; first < rows; first += kDotRows) {
+          // The group's rows in passes of nearly equal size, none over `most`.
+          const int64_t passes = (rows + most - 1) / most;
+          for (int64_t p = 0; p < passes; ++p) {
+            const int first = static_cast<int>(rows * p / passes);
             const In* a0 = A + (row0 + first) * k;
-            const bool prefetch = prefetch_first_pass && row0 == 0 && first == 0;
-#define LLMQ_DOT_ROWS(R)                                                                                   \
-  dot_rows<R>(a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk, warmup, share, B, pair, split.pairs,  \
-              col_blocks, c, first);                                                                       \
-  break;
-            switch (std::min<int64_t>(kDotRows, rows - first)) {
-              case 1: LLMQ_DOT_ROWS(1)
-              case 2: LLMQ_DOT_ROWS(2)
-              case 3: LLMQ_DOT_ROWS(3)
-              case 4: LLMQ_DOT_ROWS(4)
-              case 5: LLMQ_DOT_ROWS(5)
-              case 6: LLMQ_DOT_ROWS(6)
-              case 7: LLMQ_DOT_ROWS(7)
-              default: LLMQ_DOT_ROWS(8)
-            }
-#undef LLMQ_DOT_ROWS
+            const bool prefetch = prefetch_first_pass && row0 == 0 && p == 0;
+            dot_rows_for(rows * (p + 1) / passes - first, a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk,
+                         warmup, share, B, pair, split.pairs, col_blocks, c, first);
           }
           emit(c, static_cast<int>((rows + kTileRows - 1) / kTileRows), two_cols ? 2 : 1, row0, pair);
         }
