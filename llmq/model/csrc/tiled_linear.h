@@ -259,7 +259,7 @@ using llmq_split::NextChunkFetch;
 
 // Rows (at most kDotRows, or kWidenedDotRows widened) rows of a, from `a0` (row stride k), times one column
 // pair's tiles b0 (and b1 where two_cols) over every k-step, into the results' rows from `first` (of the
-// pass's 32), asking for next_chunk's lines as it goes.
+// group's 32), asking for next_chunk's lines as it goes.
 // The rows are bfloat16 (In = uint16_t), for VDPBF16PS, or the same values widened to float32 (In = float,
 // widened_rows), for the multiply-adds over each tile row's pairs split into their even and odd inputs
 // (widens_tiles). In VDPBF16PS eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
@@ -484,17 +484,22 @@ inline void dot_rows_for(int64_t count, const In* a0, Rest&&... rest) {
   TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
 }
 
-// The passes multiply_in_vectors makes over each column pair for `rows` rows, taking a group of 32 (the
-// last: what is left) in passes of at most `most` rows each.
+// The most rows a pass of dot_rows takes: kWidenedDotRows widened, else kDotRows.
+constexpr int64_t most_rows_a_pass(bool widened) { return widened ? kWidenedDotRows : kDotRows; }
+
+// The passes over a column pair for a group of `rows` (at most 32), each of at most `most` rows.
+constexpr int64_t passes_in_group(int64_t rows, int64_t most) { return (rows + most - 1) / most; }
+
+// The passes multiply_in_vectors makes over each column pair for `rows` rows, taking them in groups of 32
+// (the last: what is left).
 inline int64_t passes_over_pair(int64_t rows, int64_t most) {
-  const int64_t groups = rows / (2 * kTileRows), rest = rows % (2 * kTileRows);
-  return groups * ((2 * kTileRows + most - 1) / most) + (rest + most - 1) / most;
+  return rows / (2 * kTileRows) * passes_in_group(2 * kTileRows, most) + passes_in_group(rows % (2 * kTileRows), most);
 }
 
 // The k-steps of dot_rows that multiply_in_vectors takes over a [rows, K] times `tiles`, all threads' together.
 inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
   const int64_t k_tiles = tiles.size(-3), col_blocks = tiles.numel() / (k_tiles * kTileElements);
-  return (col_blocks + 1) / 2 * passes_over_pair(rows, widens_tiles() ? kWidenedDotRows : kDotRows) * k_tiles;
+  return (col_blocks + 1) / 2 * passes_over_pair(rows, most_rows_a_pass(widens_tiles())) * k_tiles;
 }
 
 // `multiply` in AVX512-BF16's dot products (In = uint16_t: A holds the bfloat16 rows) or in the widened
@@ -511,7 +516,7 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
   const int64_t chunk_bytes = split.per_chunk * split.pair_bytes;
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
   const bool spread = m >= kSpreadRows && chunk_bytes <= kSpreadChunkBytes;
-  const int64_t most = std::is_same_v<In, float> ? kWidenedDotRows : kDotRows;
+  const int64_t most = most_rows_a_pass(std::is_same_v<In, float>);
   const int64_t passes_per_pair = passes_over_pair(m, most);
   llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
@@ -537,7 +542,7 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
           const uint16_t* b0 = B + block * k_tiles * kTileElements;
           const uint16_t* b1 = b0 + k_tiles * kTileElements;
           // The group's rows in passes of nearly equal size, none over `most`.
-          const int64_t passes = (rows + most - 1) / most;
+          const int64_t passes = passes_in_group(rows, most);
           for (int64_t p = 0; p < passes; ++p) {
             const int first = static_cast<int>(rows * p / passes);
             const In* a0 = A + (row0 + first) * k;
