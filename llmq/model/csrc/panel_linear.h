@@ -156,7 +156,10 @@ inline void row_times_panels(const float* a, int64_t k, const float* panels, con
 #pragma GCC unroll 8
     for (int j = 0; j < kMost; ++j) acc[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(p[j] + i * kPanelColumns), acc[j]);
   }
-  for (int j = 0; j < count; ++j) _mm512_storeu_ps(out[j], acc[j]);
+  // Over all kMost, unrolled: a loop to `count` would keep the sums an array in memory (dot_rows).
+#pragma GCC unroll 8
+  for (int j = 0; j < kMost; ++j)
+    if (j < count) _mm512_storeu_ps(out[j], acc[j]);
 }
 
 #else
