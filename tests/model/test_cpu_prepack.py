@@ -164,12 +164,12 @@ def test_tiled_dot_products_give_each_row_the_same_sums_whatever_rows_share_its_
         assert torch.equal(linear(x[:rows], tiles, None), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [5, 6, 64])
+@pytest.mark.parametrize("rows", [5, 12, 13, 64])
 def test_tiled_products_over_many_chunks_a_thread_agree_with_a_float32_product(tiled_path, rows):
-    """A weight of 64 column pairs of 16 k-steps: several chunks for each thread, so that from 6 rows the
-    dot products ask for a thread's next chunk while they multiply its present one (NextChunkFetch), and
-    below that the first pass's prefetch runs on. The same products either way, and whichever thread
-    takes which chunks."""
+    """A weight of 64 column pairs of 16 k-steps: several chunks for each thread, so that where a chunk
+    takes more than one pass (from 9 rows in VDPBF16PS, 13 widened) the dot products ask for a thread's
+    next chunk while they multiply its present one (NextChunkFetch), and in one pass the first pass's
+    prefetch runs on. The same products either way, and whichever thread takes which chunks."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(2048, 512, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16)

@@ -63,11 +63,10 @@ constexpr int64_t kPrefetchSteps = 16;
 // and asked for all at once, ahead of that pass, the reads came in a burst while the later passes left the
 // memory idle. Spread evenly, the reads overlap the arithmetic (README, CPU kernels: "Next chunk spread
 // over the passes"). Only where the present chunk, the next and a pass's rows fit in L2 together (a 1.1 B
-// model's down projection, 352 KiB a pair, keeps the first pass's prefetch), and from kSpreadRows rows:
-// with fewer, a pass's arithmetic is too short to hide a chunk's reads and the first pass's prefetch,
-// further ahead, kept more of them in flight.
+// model's down projection, 352 KiB a pair, keeps the first pass's prefetch), and where a chunk takes more
+// than one pass: with no later passes to spread the reads over, the first pass's prefetch, further ahead,
+// kept more of them in flight.
 constexpr int64_t kSpreadChunkBytes = 256 * 1024;
-constexpr int64_t kSpreadRows = 6;
 // Every pass on the matrix units also asks for the weight tiles this many k-steps ahead into L1. A tile
 // load whose 16 lines are in L2 still waits for all 16 to come up, and the matrix units wait with it; with
 // the lines already in L1 they only wait where memory is slower than their arithmetic. It pays most where
@@ -526,9 +525,9 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
   llmq_split::StealingRuns runs(split.chunks, threads);
   const int64_t chunk_bytes = split.per_chunk * split.pair_bytes;
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
-  const bool spread = m >= kSpreadRows && chunk_bytes <= kSpreadChunkBytes;
   const int64_t most = most_rows_a_pass(std::is_same_v<In, float>);
   const int64_t passes_per_pair = passes_over_pair(m, most);
+  const bool spread = passes_per_pair > 1 && chunk_bytes <= kSpreadChunkBytes;
   llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
