@@ -303,7 +303,7 @@ inline void dot_rows(const In* a0, int64_t k, const uint16_t* b0, const uint16_t
                      float (*c)[2][kTileRows][16], int first) {
   // Every loop over the rows unrolled, so that the sums are registers, not an array: where one loop (the
   // stores at the end) stayed a loop, the array stayed in memory, and the compiler stored every sum back
-  // to it after each multiply-add, 24 stores a tile row at 12 rows (README: CPU kernels, "Sums kept in
+  // to it at every tile row, 24 stores to 48 multiply-adds at 12 rows (README: CPU kernels, "Sums kept in
   // registers").
   __m512 acc[Rows][2];
 #pragma GCC unroll 16
