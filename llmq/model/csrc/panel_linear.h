@@ -138,6 +138,16 @@ inline void panel_rows(const float* packed, const W* panel, int64_t k, const flo
   for (int r = 0; r < Rows; ++r) store16(out + r * ldo, _mm512_add_ps(sums[r], b));
 }
 
+// The first `count` of a few chains' sums into out[j]: a loop over all of them, unrolled, storing those
+// below `count`. A loop to `count` itself would leave the sums an array in memory, stored back at every
+// step (tiled_linear.h, dot_rows).
+template <int Most>
+inline void store_first_sums(float (*out)[16], const __m512 (&sums)[Most], int count) {
+#pragma GCC unroll 16
+  for (int j = 0; j < Most; ++j)
+    if (j < count) _mm512_storeu_ps(out[j], sums[j]);
+}
+
 // One row of float32 inputs (k of them) times `count` (at most 8) float32 panels, `which`, into out[j]: each
 // panel's 16 sums made as panel_rows makes them, one multiply-add an input in order (its slices carry the
 // sums on exactly), so they are the same sums (greedy_screen.h multiplies a row's candidate panels again
@@ -156,10 +166,7 @@ inline void row_times_panels(const float* a, int64_t k, const float* panels, con
 #pragma GCC unroll 8
     for (int j = 0; j < kMost; ++j) acc[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(p[j] + i * kPanelColumns), acc[j]);
   }
-  // Over all kMost, unrolled: a loop to `count` would keep the sums an array in memory (dot_rows).
-#pragma GCC unroll 8
-  for (int j = 0; j < kMost; ++j)
-    if (j < count) _mm512_storeu_ps(out[j], acc[j]);
+  store_first_sums(out, acc, count);
 }
 
 #else

@@ -455,10 +455,7 @@ inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16
       }
     }
   }
-  // Over all kMost, unrolled: a loop to `count` would keep the sums an array in memory (dot_rows).
-#pragma GCC unroll 8
-  for (int j = 0; j < kMost; ++j)
-    if (j < count) _mm512_storeu_ps(out[j], acc[j]);
+  llmq_panels::store_first_sums(out, acc, count);
 }
 
 inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
