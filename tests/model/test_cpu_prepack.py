@@ -149,9 +149,10 @@ def test_tiled_products_agree_with_a_float32_product_rounded_once(tiled_path, ro
 
 
 def test_tiled_dot_products_give_each_row_the_same_sums_whatever_rows_share_its_call(tiled_path):
-    # The dot products take a group of 32 rows in passes of nearly equal size (up to 8 rows in VDPBF16PS,
-    # 12 widened): every count up to 40 runs every pass size, and past a group. Each row's sums run over
-    # its inputs in the same order whatever its pass: its output is the one it gets alone.
+    # The dot products take a group of 32 rows in passes of nearly equal size (up to 8 rows in VDPBF16PS;
+    # widened, the whole group in one pass a column block): every count up to 40 runs every pass size, and
+    # past a group. Each row's sums run over its inputs in the same order whatever its pass: its output
+    # is the one it gets alone.
     if tiled_path == "amx":
         pytest.skip("the matrix units take whole tiles of 16 rows, not passes")
     generator = torch.Generator().manual_seed(0)
@@ -164,12 +165,13 @@ def test_tiled_dot_products_give_each_row_the_same_sums_whatever_rows_share_its_
         assert torch.equal(linear(x[:rows], tiles, None), alone[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [5, 12, 13, 64])
+@pytest.mark.parametrize("rows", [5, 13, 32, 33, 64])
 def test_tiled_products_over_many_chunks_a_thread_agree_with_a_float32_product(tiled_path, rows):
     """A weight of 64 column pairs of 16 k-steps: several chunks for each thread, so that where a chunk
-    takes more than one pass (from 9 rows in VDPBF16PS, 13 widened) the dot products ask for a thread's
-    next chunk while they multiply its present one (NextChunkFetch), and in one pass the first pass's
-    prefetch runs on. The same products either way, and whichever thread takes which chunks."""
+    reads each column pair more than once (from 9 rows in VDPBF16PS, in passes of 8; widened from 33, a
+    pass a group of 32) the dot products ask for a thread's next chunk while they multiply its present
+    one (NextChunkFetch), and where it is read once the first pass's prefetch runs on. The same products
+    either way, and whichever thread takes which chunks."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(2048, 512, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 512, generator=generator).to(torch.bfloat16)

@@ -38,7 +38,7 @@
 
 #include "lane_maxima.h"
 #include "paged_prefetch.h"
-#include "panel_linear.h"  // load16: the panels widen bfloat16 as the widened tiles do
+#include "panel_linear.h"  // store_first_sums: the greedy screen's exact pass stores as the panels' does
 #include "work_split.h"
 
 namespace llmq_tiled {
@@ -152,9 +152,9 @@ inline bool dot_products_slower_than_widened(double ratio) {
 }
 
 // The widened path does two float32 multiply-adds for each VDPBF16PS it replaces, and a shift and a mask
-// for each weight vector, shared by a pass's eight rows (a ninth more work on the same ports): it pays
-// where the dot products' multiply-adds a second fall below about 0.9 of the float32 ones'. The margin
-// below that is for the timing's noise.
+// for each weight vector, shared by a pass's rows (at eight rows a ninth more work on the same ports): it
+// pays where the dot products' multiply-adds a second fall below about 0.9 of the float32 ones'. The
+// margin below that is for the timing's noise.
 constexpr double kWideningPaysBelow = 0.7;
 
 // Whether the products widen the tiles to float32 (1), use VDPBF16PS (0), or have not decided yet (-1: the
@@ -256,17 +256,50 @@ struct PairRuns {
 
 using llmq_split::NextChunkFetch;
 
-// Rows (at most kDotRows, or kWidenedDotRows widened) rows of a, from `a0` (row stride k), times one column
-// pair's tiles b0 (and b1 where two_cols) over every k-step, into the results' rows from `first` (of the
-// group's 32), asking for next_chunk's lines as it goes.
-// The rows are bfloat16 (In = uint16_t), for VDPBF16PS, or the same values widened to float32 (In = float,
-// widened_rows), for the multiply-adds over each tile row's pairs split into their even and odd inputs
-// (widens_tiles). In VDPBF16PS eight rows keep 16 sums in registers; twelve (24 sums) measured slower at
-// 2,048 rows on an AMD Zen 4. Widened, a tile row's pairs cost a shift and a mask each on the ports the
-// multiply-adds take, whatever the rows: twelve rows share them among 48 multiply-adds, not 32, and a
-// group of 9 to 12 rows (a decode step's) is one pass over the weight, not a pass of 8 and a short one.
+// Rows (at most kDotRows) bfloat16 rows of a, from `a0` (row stride k), times one column pair's tiles b0
+// (and b1 where two_cols) over every k-step in VDPBF16PS, into the results' rows from `first` (of the
+// group's 32), asking for next_chunk's lines as it goes. Eight rows keep 16 sums in registers; twelve (24
+// sums) measured slower at 2,048 rows on an AMD Zen 4.
 constexpr int kDotRows = 8;
-constexpr int kWidenedDotRows = 12;
+
+template <int Rows>
+inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
+                     int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, llmq_prefetch::KvWarmup* warmup,
+                     int64_t share, const uint16_t* tiles, int64_t pair, int64_t pairs, int64_t col_blocks,
+                     float (*c)[2][kTileRows][16], int first) {
+  // Every loop over the rows unrolled, so that the sums are registers, not an array: where one loop (the
+  // stores at the end) stayed a loop, the array stayed in memory, and the compiler stored every sum back
+  // to it at every tile row (README: CPU kernels, "Sums kept in registers").
+  __m512 acc[Rows][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (prefetch) prefetch_weight_step(tiles, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
+    next_chunk.step();
+    if (warmup != nullptr) warmup->step(share);
+    const uint16_t* t0 = b0 + kt * kTileElements;
+    const uint16_t* t1 = b1 + kt * kTileElements;
+    const uint16_t* a = a0 + kt * kTileInputs;
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512i p0 = _mm512_loadu_si512(t0 + r * kTileInputs);
+      const __m512i p1 = two_cols ? _mm512_loadu_si512(t1 + r * kTileInputs) : p0;
+#pragma GCC unroll 16
+      for (int i = 0; i < Rows; ++i) {
+        int32_t both;
+        std::memcpy(&both, a + i * k + 2 * r, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, (__m512bh)p0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, (__m512bh)p1);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < Rows; ++i) {
+    const int row = first + i;
+    _mm512_store_ps(c[row / kTileRows][0][row % kTileRows], acc[i][0]);
+    _mm512_store_ps(c[row / kTileRows][1][row % kTileRows], acc[i][1]);
+  }
+}
 
 // A tile row's 16 pairs widened to float32: the even inputs' weights (the low halves) and the odd ones'.
 struct WidenedPairs {
@@ -284,66 +317,70 @@ inline __m512 widened_step(__m512 sum, float x0, float x1, const WidenedPairs& w
 
 inline float bfloat16_value(uint16_t bits) { return c10::BFloat16(bits, c10::BFloat16::from_bits()); }
 
-// The rows of a [count] bfloat16 values as float32, in a buffer of the calling thread's (valid until its
-// next call): the widened path's inputs.
-inline const float* widened_rows(const uint16_t* a, int64_t count) {
-  thread_local std::vector<float> rows;
-  if (static_cast<int64_t>(rows.size()) < count) rows.resize(count);
-  float* out = rows.data();
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(out + i, llmq_panels::load16(a + i));
-  for (; i < count; ++i) out[i] = bfloat16_value(a[i]);
-  return out;
-}
+// The widened path takes the rows in groups of 32, each group in one pass over each column block, a sum
+// vector a row: every weight tile is read once for all of a group's rows (a decode step's, up to 32), and
+// a tile row's shift and mask are shared by all of them. Where a group's 32 rows took passes of up to 12
+// over both blocks of a pair, a decode step of 13 to 32 rows read each pair two or three times, and
+// memory and arithmetic overlapped badly (README: CPU kernels, "Widened rows in one pass a block").
+// Thirty sums and the tile row's two halves fill the 32 vector registers; at 31 and 32 rows the compiler
+// keeps a few sums in memory, which measured no slower than two passes of 16.
+constexpr int64_t kGroupRows = 2 * kTileRows;
 
-template <int Rows, typename In>
-inline void dot_rows(const In* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_cols,
-                     int64_t k_tiles, bool prefetch, NextChunkFetch& next_chunk, llmq_prefetch::KvWarmup* warmup,
-                     int64_t share, const uint16_t* tiles, int64_t pair, int64_t pairs, int64_t col_blocks,
-                     float (*c)[2][kTileRows][16], int first) {
-  // Every loop over the rows unrolled, so that the sums are registers, not an array: where one loop (the
-  // stores at the end) stayed a loop, the array stayed in memory, and the compiler stored every sum back
-  // to it at every tile row, 24 stores to 48 multiply-adds at 12 rows (README: CPU kernels, "Sums kept in
-  // registers").
-  __m512 acc[Rows][2];
-#pragma GCC unroll 16
-  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    if (prefetch) prefetch_weight_step(tiles, pair, kt + kPrefetchSteps, pairs, k_tiles, col_blocks);
-    next_chunk.step();
-    if (warmup != nullptr) warmup->step(share);
-    const uint16_t* t0 = b0 + kt * kTileElements;
-    const uint16_t* t1 = b1 + kt * kTileElements;
-    const In* a = a0 + kt * kTileInputs;
-    for (int r = 0; r < kTileRows; ++r) {
-      const __m512i p0 = _mm512_loadu_si512(t0 + r * kTileInputs);
-      const __m512i p1 = two_cols ? _mm512_loadu_si512(t1 + r * kTileInputs) : p0;
-      if constexpr (std::is_same_v<In, float>) {
-        const WidenedPairs w0 = widened_pairs(p0), w1 = widened_pairs(p1);
-#pragma GCC unroll 16
-        for (int i = 0; i < Rows; ++i) {
-          const float x0 = a[i * k + 2 * r], x1 = a[i * k + 2 * r + 1];
-          acc[i][0] = widened_step(acc[i][0], x0, x1, w0);
-          acc[i][1] = widened_step(acc[i][1], x0, x1, w1);
-        }
-      } else {
-#pragma GCC unroll 16
-        for (int i = 0; i < Rows; ++i) {
-          int32_t both;
-          std::memcpy(&both, a + i * k + 2 * r, 4);
-          const __m512bh x = (__m512bh)_mm512_set1_epi32(both);
-          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, (__m512bh)p0);
-          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, (__m512bh)p1);
-        }
+// The rows of a [m, k] bfloat16 as float32 for the widened path, in a buffer of the calling thread's (valid
+// until its next call), each group of kGroupRows rows (the last: what is left) a k-pair at a time: group g
+// from g * kGroupRows * k, its rows' inputs 2j and 2j + 1 side by side, [k / 2][rows][2]. A pass then
+// reaches every row's pair from one pointer at fixed offsets: with a pointer a row, as the rows' own
+// layout needs, the compiler ran out of general registers and reloaded the pointers from the stack at
+// every tile row.
+inline const float* widened_groups(const uint16_t* a, int64_t m, int64_t k) {
+  thread_local std::vector<float> rows;
+  if (static_cast<int64_t>(rows.size()) < m * k) rows.resize(m * k);
+  for (int64_t g0 = 0; g0 < m; g0 += kGroupRows) {
+    const int64_t count = std::min(kGroupRows, m - g0);
+    const auto* in = reinterpret_cast<const uint32_t*>(a + g0 * k);  // a row's pairs, 2 bfloat16 each
+    auto* out = reinterpret_cast<uint64_t*>(rows.data() + g0 * k);    // a row's pair as 2 float32
+    for (int64_t j = 0; j < k / 2; ++j) {
+      for (int64_t i = 0; i < count; ++i) {
+        const uint32_t both = in[i * (k / 2) + j];
+        out[j * count + i] = static_cast<uint64_t>(both << 16) | static_cast<uint64_t>(both & 0xFFFF0000u) << 32;
       }
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < Rows; ++i) {
-    const int row = first + i;
-    _mm512_store_ps(c[row / kTileRows][0][row % kTileRows], acc[i][0]);
-    _mm512_store_ps(c[row / kTileRows][1][row % kTileRows], acc[i][1]);
+  return rows.data();
+}
+
+// A group of Rows (at most kGroupRows) widened rows (widened_groups's layout, from `group`) times one
+// column block's tiles `b` over every k-step, into the results' column tile `ct`, asking for next_chunk's
+// lines as it goes, and, where `prefetch`, for the weight kPrefetchTiles tiles ahead in memory (into the
+// next block and pair, up to `weight_end`). Each row's sums run over the inputs in the order dot_rows and
+// row_times_blocks_as take them.
+constexpr int64_t kPrefetchTiles = 2 * kPrefetchSteps;  // as far ahead as a pair's kPrefetchSteps k-steps
+
+template <int Rows>
+inline void block_rows(const float* group, const uint16_t* b, int64_t k_tiles, bool prefetch, const char* weight_end,
+                       NextChunkFetch& next_chunk, llmq_prefetch::KvWarmup* warmup, int64_t share,
+                       float (*c)[2][kTileRows][16], int ct) {
+  __m512 acc[Rows];  // every loop over the rows unrolled: the sums stay registers ("Sums kept in registers")
+#pragma GCC unroll 32
+  for (int i = 0; i < Rows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(b + (kt + kPrefetchTiles) * kTileElements);
+      if (ahead < weight_end)
+        for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(ahead + offset, 0, 2);
+    }
+    next_chunk.step();
+    if (warmup != nullptr) warmup->step(share);
+    const uint16_t* t = b + kt * kTileElements;
+    const float* x = group + kt * kTileRows * Rows * 2;
+    for (int r = 0; r < kTileRows; ++r, x += Rows * 2) {
+      const WidenedPairs w = widened_pairs(_mm512_loadu_si512(t + r * kTileInputs));
+#pragma GCC unroll 32
+      for (int i = 0; i < Rows; ++i) acc[i] = widened_step(acc[i], x[2 * i], x[2 * i + 1], w);
+    }
   }
+#pragma GCC unroll 32
+  for (int i = 0; i < Rows; ++i) _mm512_store_ps(c[i / kTileRows][ct][i % kTileRows], acc[i]);
 }
 
 #ifdef LLMQ_HAS_AMX
@@ -422,7 +459,8 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
 #endif
 
 // One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
-// made as dot_rows makes them, step for step (in VDPBF16PS, or widened where widens_tiles), so they are
+// made as the products make them, step for step (in VDPBF16PS as dot_rows, or widened as block_rows, where
+// widens_tiles), so they are
 // the same sums (greedy_screen.h multiplies a row's candidate blocks again with it). The blocks' chains
 // run side by side.
 template <bool Widened>
@@ -467,53 +505,64 @@ inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t*
   }
 }
 
-// dot_rows<count> for a count known at run time: 1 to kDotRows, widened (In = float) to kWidenedDotRows.
-template <typename In, typename... Rest>
-inline void dot_rows_for(int64_t count, const In* a0, Rest&&... rest) {
+// dot_rows<count> for a count known at run time, 1 to kDotRows.
+template <typename... Rest>
+inline void dot_rows_for(int64_t count, Rest&&... rest) {
   switch (count) {
-    case 1: return dot_rows<1>(a0, rest...);
-    case 2: return dot_rows<2>(a0, rest...);
-    case 3: return dot_rows<3>(a0, rest...);
-    case 4: return dot_rows<4>(a0, rest...);
-    case 5: return dot_rows<5>(a0, rest...);
-    case 6: return dot_rows<6>(a0, rest...);
-    case 7: return dot_rows<7>(a0, rest...);
-    case 8: return dot_rows<8>(a0, rest...);
-  }
-  if constexpr (std::is_same_v<In, float>) {
-    switch (count) {
-      case 9: return dot_rows<9>(a0, rest...);
-      case 10: return dot_rows<10>(a0, rest...);
-      case 11: return dot_rows<11>(a0, rest...);
-      case 12: return dot_rows<12>(a0, rest...);
-    }
+    case 1: return dot_rows<1>(rest...);
+    case 2: return dot_rows<2>(rest...);
+    case 3: return dot_rows<3>(rest...);
+    case 4: return dot_rows<4>(rest...);
+    case 5: return dot_rows<5>(rest...);
+    case 6: return dot_rows<6>(rest...);
+    case 7: return dot_rows<7>(rest...);
+    case 8: return dot_rows<8>(rest...);
   }
   TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
 }
 
-// The most rows a pass of dot_rows takes: kWidenedDotRows widened, else kDotRows.
-constexpr int64_t most_rows_a_pass(bool widened) { return widened ? kWidenedDotRows : kDotRows; }
-
-// The passes over a column pair for a group of `rows` (at most 32), each of at most `most` rows.
-constexpr int64_t passes_in_group(int64_t rows, int64_t most) { return (rows + most - 1) / most; }
-
-// The passes multiply_in_vectors makes over each column pair for `rows` rows, taking them in groups of 32
-// (the last: what is left).
-inline int64_t passes_over_pair(int64_t rows, int64_t most) {
-  return rows / (2 * kTileRows) * passes_in_group(2 * kTileRows, most) + passes_in_group(rows % (2 * kTileRows), most);
+// block_rows<count> for a count known at run time, 1 to kGroupRows.
+template <int Count = 1, typename... Rest>
+inline void block_rows_for(int64_t count, Rest&&... rest) {
+  if constexpr (Count <= kGroupRows) {
+    if (count == Count) return block_rows<Count>(rest...);
+    return block_rows_for<Count + 1>(count, rest...);
+  } else {
+    TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
+  }
 }
 
-// The k-steps of dot_rows that multiply_in_vectors takes over a [rows, K] times `tiles`, all threads' together.
+// The passes over a column pair for a group of `rows` (at most 32) in VDPBF16PS, each of at most kDotRows.
+constexpr int64_t passes_in_group(int64_t rows) { return (rows + kDotRows - 1) / kDotRows; }
+
+// How often multiply_in_vectors reads each column pair's tiles for `rows` rows (in groups of 32, the last
+// what is left): once a pass in VDPBF16PS, widened once a group.
+inline int64_t reads_of_pair(int64_t rows, bool widened) {
+  const int64_t groups = (rows + kGroupRows - 1) / kGroupRows;
+  if (widened) return groups;
+  return rows / kGroupRows * passes_in_group(kGroupRows) + passes_in_group(rows % kGroupRows);
+}
+
+// The k-steps multiply_in_vectors takes over a column pair: those of its reads, widened one pass for each
+// of the pair's two blocks.
+inline int64_t steps_of_pair(int64_t rows, bool widened, int64_t k_tiles) {
+  return reads_of_pair(rows, widened) * (widened ? 2 : 1) * k_tiles;
+}
+
+// The k-steps of the dot products that multiply_in_vectors takes over a [rows, K] times `tiles`, all
+// threads' together.
 inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
   const int64_t k_tiles = tiles.size(-3), col_blocks = tiles.numel() / (k_tiles * kTileElements);
-  return (col_blocks + 1) / 2 * passes_over_pair(rows, most_rows_a_pass(widens_tiles())) * k_tiles;
+  return (col_blocks + 1) / 2 * steps_of_pair(rows, widens_tiles(), k_tiles);
 }
 
 // `multiply` in AVX512-BF16's dot products (In = uint16_t: A holds the bfloat16 rows) or in the widened
-// multiply-adds (In = float: A holds them widened), for [M, K] of any M: the same runs and passes, each
-// group of 32 rows taken in passes of up to kDotRows (widened: kWidenedDotRows) rows, their sums in registers.
+// multiply-adds (In = float: A holds them in widened_groups's layout), for [M, K] of any M: the same runs,
+// each group of 32 rows taken in passes of up to kDotRows rows over both blocks of a pair in VDPBF16PS, or
+// widened in one pass over each block; their sums in registers.
 template <typename In, typename Emit>
 void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emit& emit) {
+  constexpr bool widened = std::is_same_v<In, float>;
   const int64_t k = w.k_tiles * kTileInputs, k_tiles = w.k_tiles, col_blocks = w.col_blocks;
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   const uint16_t* B = w.tiles;
@@ -522,9 +571,8 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
   llmq_split::StealingRuns runs(split.chunks, threads);
   const int64_t chunk_bytes = split.per_chunk * split.pair_bytes;
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
-  const int64_t most = most_rows_a_pass(std::is_same_v<In, float>);
-  const int64_t passes_per_pair = passes_over_pair(m, most);
-  const bool spread = passes_per_pair > 1 && chunk_bytes <= kSpreadChunkBytes;
+  const char* const weight_end = reinterpret_cast<const char*>(B) + weight_bytes;
+  const bool spread = reads_of_pair(m, widened) > 1 && chunk_bytes <= kSpreadChunkBytes;
   llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
@@ -537,25 +585,32 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
         const auto* tiles = reinterpret_cast<const char*>(B);
         next_chunk = NextChunkFetch(tiles + (chunk + 1) * chunk_bytes,
                                     tiles + std::min((chunk + 2) * chunk_bytes, weight_bytes),
-                                    (last_pair - chunk * split.per_chunk) * passes_per_pair * k_tiles);
+                                    (last_pair - chunk * split.per_chunk) * steps_of_pair(m, widened, k_tiles));
       }
       const bool prefetch_first_pass = chunk != fetched;
       fetched = next_chunk.lines_per_step > 0 ? chunk + 1 : -1;
-      for (int64_t row0 = 0; row0 < m; row0 += 2 * kTileRows) {
-        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - row0);
+      for (int64_t row0 = 0; row0 < m; row0 += kGroupRows) {
+        const int64_t rows = std::min<int64_t>(kGroupRows, m - row0);
         for (int64_t pair = chunk * split.per_chunk; pair < last_pair; ++pair) {
           const int64_t block = pair * 2;
           const bool two_cols = block + 1 < col_blocks;
           const uint16_t* b0 = B + block * k_tiles * kTileElements;
           const uint16_t* b1 = b0 + k_tiles * kTileElements;
-          // The group's rows in passes of nearly equal size, none over `most`.
-          const int64_t passes = passes_in_group(rows, most);
-          for (int64_t p = 0; p < passes; ++p) {
-            const int first = static_cast<int>(rows * p / passes);
-            const In* a0 = A + (row0 + first) * k;
-            const bool prefetch = prefetch_first_pass && row0 == 0 && p == 0;
-            dot_rows_for(rows * (p + 1) / passes - first, a0, k, b0, b1, two_cols, k_tiles, prefetch, next_chunk,
-                         warmup, share, B, pair, split.pairs, col_blocks, c, first);
+          if constexpr (widened) {
+            const bool prefetch = prefetch_first_pass && row0 == 0;
+            const float* group = A + row0 * k;
+            block_rows_for(rows, group, b0, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 0);
+            if (two_cols)
+              block_rows_for(rows, group, b1, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 1);
+          } else {
+            // The group's rows in passes of nearly equal size, none over kDotRows.
+            const int64_t passes = passes_in_group(rows);
+            for (int64_t p = 0; p < passes; ++p) {
+              const int first = static_cast<int>(rows * p / passes);
+              const bool prefetch = prefetch_first_pass && row0 == 0 && p == 0;
+              dot_rows_for(rows * (p + 1) / passes - first, A + (row0 + first) * k, k, b0, b1, two_cols, k_tiles,
+                           prefetch, next_chunk, warmup, share, B, pair, split.pairs, col_blocks, c, first);
+            }
           }
           emit(c, static_cast<int>((rows + kTileRows - 1) / kTileRows), two_cols ? 2 : 1, row0, pair);
         }
@@ -587,7 +642,7 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
       emit(c, row_tiles, col_tiles, first + row0, pair);
     };
     if (widened) {
-      multiply_in_vectors(widened_rows(A + first * k, rows * k), rows, w, block_emit);
+      multiply_in_vectors(widened_groups(A + first * k, rows, k), rows, w, block_emit);
     } else {
       multiply_in_vectors(A + first * k, rows, w, block_emit);
     }
