@@ -622,8 +622,8 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
 // The dot products take a long product's rows (a prefill step's) this many at a time, each block over the
 // whole weight in turn. In one pass every run of the weight's column pairs goes over all of the rows, and
 // at a few thousand inputs a row, a prefill's 2,048 rows measured slower to read again for each run than
-// a block's (README: CPU kernels, "Long products in row blocks"). A multiple of 32, the rows a pass takes,
-// so that the blocks' passes are the ones a single call would make.
+// a block's (README: CPU kernels, "Long products in row blocks"). A multiple of 32, the rows of a group
+// (kGroupRows), so that the blocks' passes are the ones a single call would make.
 constexpr int64_t kDotRowBlock = 512;
 
 // a [M, K] bfloat16 (padded_rows) @ the weight, each column pair's results for up to 32 rows handed to
