@@ -352,8 +352,8 @@ inline const float* widened_groups(const uint16_t* a, int64_t m, int64_t k) {
 // A group of Rows (at most kGroupRows) widened rows (widened_groups's layout, from `group`) times one
 // column block's tiles `b` over every k-step, into the results' column tile `ct`, asking for next_chunk's
 // lines as it goes, and, where `prefetch`, for the weight kPrefetchTiles tiles ahead in memory (into the
-// next block and pair, up to `weight_end`). Each row's sums run over the inputs in the order dot_rows and
-// row_times_blocks_as take them.
+// next block and pair, up to `weight_end`). Each row's sums run over the inputs in the order the greedy
+// screen's exact pass, row_times_blocks_as<true>, takes them: the same sums.
 constexpr int64_t kPrefetchTiles = 2 * kPrefetchSteps;  // as far ahead as a pair's kPrefetchSteps k-steps
 
 template <int Rows>
