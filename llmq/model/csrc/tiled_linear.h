@@ -176,6 +176,12 @@ inline bool widens_tiles() {
   return choice == 1;
 }
 
+// Asks for the 16 lines of one weight tile (1 KiB) into L2 (Locality 2: prefetcht1) or L1 (3: prefetcht0).
+template <int Locality = 2>
+inline void prefetch_tile(const char* tile) {
+  for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(tile + offset, 0, Locality);
+}
+
 // Asks for the weight tiles of k-step `step` counted from column pair `pair`'s first (a step past the pair's
 // last is in the pairs after it) into L2 (or, with Locality 3, into L1: prefetcht1 and prefetcht0): the
 // tiles of both its column blocks, as a pass reads them.
@@ -186,11 +192,8 @@ inline void prefetch_weight_step(const uint16_t* tiles, int64_t pair, int64_t st
   if (pair >= pairs) return;
   const int64_t block = pair * 2;
   const char* first = reinterpret_cast<const char*>(tiles + (block * k_tiles + step % k_tiles) * kTileElements);
-  for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(first + offset, 0, Locality);
-  if (block + 1 < col_blocks) {
-    const char* second = first + k_tiles * kTileElements * 2;
-    for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(second + offset, 0, Locality);
-  }
+  prefetch_tile<Locality>(first);
+  if (block + 1 < col_blocks) prefetch_tile<Locality>(first + k_tiles * kTileElements * 2);
 }
 
 #ifdef LLMQ_HAS_AMX
@@ -366,8 +369,7 @@ inline void block_rows(const float* group, const uint16_t* b, int64_t k_tiles, b
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     if (prefetch) {
       const char* ahead = reinterpret_cast<const char*>(b + (kt + kPrefetchTiles) * kTileElements);
-      if (ahead < weight_end)
-        for (int64_t offset = 0; offset < kTileElements * 2; offset += 64) __builtin_prefetch(ahead + offset, 0, 2);
+      if (ahead < weight_end) prefetch_tile(ahead);
     }
     next_chunk.step();
     if (warmup != nullptr) warmup->step(share);
