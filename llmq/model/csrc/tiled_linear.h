@@ -462,9 +462,8 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
 
 // One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
 // made as the products make them, step for step (in VDPBF16PS as dot_rows, or widened as block_rows, where
-// widens_tiles), so they are
-// the same sums (greedy_screen.h multiplies a row's candidate blocks again with it). The blocks' chains
-// run side by side.
+// widens_tiles), so they are the same sums (greedy_screen.h multiplies a row's candidate blocks again with
+// it). The blocks' chains run side by side.
 template <bool Widened>
 inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
                                 int count, float (*out)[16]) {
@@ -575,6 +574,7 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
   const int64_t weight_bytes = col_blocks * k_tiles * kTileElements * 2;
   const char* const weight_end = reinterpret_cast<const char*>(B) + weight_bytes;
   const bool spread = reads_of_pair(m, widened) > 1 && chunk_bytes <= kSpreadChunkBytes;
+  const int64_t pair_steps = steps_of_pair(m, widened, k_tiles);
   llmq_prefetch::KvWarmup* const warmup = llmq_prefetch::active_kv_warmup();
   llmq_split::for_each_run(threads, [&](int64_t own) {
     alignas(64) ResultTiles c;
@@ -587,7 +587,7 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
         const auto* tiles = reinterpret_cast<const char*>(B);
         next_chunk = NextChunkFetch(tiles + (chunk + 1) * chunk_bytes,
                                     tiles + std::min((chunk + 2) * chunk_bytes, weight_bytes),
-                                    (last_pair - chunk * split.per_chunk) * steps_of_pair(m, widened, k_tiles));
+                                    (last_pair - chunk * split.per_chunk) * pair_steps);
       }
       const bool prefetch_first_pass = chunk != fetched;
       fetched = next_chunk.lines_per_step > 0 ? chunk + 1 : -1;
