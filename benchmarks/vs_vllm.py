@@ -22,7 +22,9 @@ product's operands stream from memory, as on a CPU with a small L3, it is the sl
 fastest of torch's own product and the products llmq runs over prepacked weights here), and the
 machine's limit for the workload: the step-time floor max(matmul FLOPs / the measured decode-shaped
 matmul rate, weight bytes / the measured copy bandwidth) for each decode step's batch, summed over the
-workload, plus its prefill at the peak rate (the LM head for each prompt's last token only). The machine
+workload, plus its prefill at the peak rate (the LM head for each prompt's last token only), and llmq's
+rounds in that limit's three parts, each against its floor: the steps until every request has its first
+token (the prefill's), then the decode steps whose batch is compute-bound, and those it is not. The machine
 is measured before the rounds and again after each round, as its speed moves from minute to minute
 (other tenants share its cores and memory): the whole run's limit takes the fastest of every
 measurement, and each round's share of the limit is also given against the limit of the two
@@ -40,6 +42,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import signal
 import statistics
@@ -115,10 +118,35 @@ def workload_floor(requests, flops_per_token: float, weight_bytes: float, decode
     prompt_tokens = sum(len(prompt) for prompt, _ in requests)
     prefill = (prompt_tokens * (flops_per_token - head_flops) + len(requests) * head_flops) / prefill_flops
     lengths = [max_tokens for _, max_tokens in requests]
-    decode = sum(step_floor(sum(1 for n in lengths if n > t), flops_per_token, weight_bytes, decode_flops,
-                            bandwidth)["seconds"] for t in range(1, max(lengths)))
-    seconds = prefill + decode
-    return {"seconds": seconds, "prefill_s": prefill, "decode_s": decode, "tokens_per_s": sum(lengths) / seconds}
+    decode = {"compute": 0.0, "memory": 0.0}  # the decode steps' floors, by what bounds each
+    for t in range(1, max(lengths)):
+        step = step_floor(sum(1 for n in lengths if n > t), flops_per_token, weight_bytes, decode_flops, bandwidth)
+        decode[step["bound"]] += step["seconds"]
+    seconds = prefill + decode["compute"] + decode["memory"]
+    return {"seconds": seconds, "prefill_s": prefill, "decode_s": decode["compute"] + decode["memory"],
+            "decode_compute_s": decode["compute"], "decode_memory_s": decode["memory"],
+            "tokens_per_s": sum(lengths) / seconds}
+
+
+def phase_seconds(steps, flops_per_token: float, weight_bytes: float, decode_flops: float,
+                  bandwidth: float) -> dict:
+    """An engine's step times, [(seconds, batch, prefilling)], summed in the workload floor's three parts:
+    the steps until every request has its first token (prefilling), then each decode step by what bounds
+    its batch's floor (step_floor): {"prefill_s", "decode_compute_s", "decode_memory_s"}."""
+    out = {"prefill_s": 0.0, "decode_compute_s": 0.0, "decode_memory_s": 0.0}
+    for seconds, batch, prefilling in steps:
+        if prefilling:
+            out["prefill_s"] += seconds
+        else:
+            bound = step_floor(batch, flops_per_token, weight_bytes, decode_flops, bandwidth)["bound"]
+            out[f"decode_{bound}_s"] += seconds
+    return out
+
+
+def ridge_batch(flops_per_token: float, weight_bytes: float, decode_flops: float, bandwidth: float) -> int:
+    """The fewest sequences whose decode step is compute-bound (step_floor): below it, reading the weights
+    takes longer than the step's matmuls."""
+    return max(1, math.ceil(weight_bytes * decode_flops / (bandwidth * flops_per_token)))
 
 
 def pair_ratios(llmq_rates: list[float], vllm_rates: list[float]) -> list[float]:
@@ -279,18 +307,28 @@ class VllmWorker:
 
 # ---- llmq ----------------------------------------------------------------------------------
 
-def run_llmq_once(engine: LLMEngine, requests, tag: str) -> float:
-    """Seconds from submitting every request to the last result."""
+def run_llmq_once(engine: LLMEngine, requests, tag: str, steps: list | None = None) -> float:
+    """Seconds from submitting every request to the last result. Where `steps` is given, each step's
+    (seconds, batch, prefilling) is appended to it: the requests not yet done before the step, and whether
+    any of them had yet to get its first token (phase_seconds). With async scheduling (a GPU's) a step's
+    deltas are the step before's, so these would be one step late; this benchmark runs on the CPU."""
     generated: dict[str, int] = {}
+    wanted = {f"{tag}-{i}": max_tokens for i, (_, max_tokens) in enumerate(requests)}
     started = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished():
-        for delta in engine.step():
+        step_started = time.perf_counter()
+        deltas = engine.step()
+        if steps is not None:
+            batch = sum(1 for request, n in wanted.items() if generated.get(request, 0) < n)
+            prefilling = any(generated.get(request, 0) == 0 for request in wanted)
+            steps.append((time.perf_counter() - step_started, batch, prefilling))
+        for delta in deltas:
             generated[delta.request_id] = generated.get(delta.request_id, 0) + len(delta.token_ids)
     seconds = time.perf_counter() - started
-    if generated != {f"{tag}-{i}": o for i, (_, o) in enumerate(requests)}:
+    if generated != wanted:
         raise RuntimeError("llmq produced a different number of tokens than requested")
     return seconds
 
@@ -313,6 +351,7 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
     # just after it).
     out = {"llmq_tok_s": [], "vllm_tok_s": [], "llmq_measured_before": [], "vllm_measured_before": [],
            "vllm_error": None}
+    llmq_steps: list[list] = []  # each round's (seconds, batch, prefilling) a step (run_llmq_once)
 
     def round_done(system: str, rate: float, label: str) -> None:
         out[f"{system}_tok_s"].append(rate)
@@ -343,7 +382,8 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
             prompts = fresh_prompts(requests, r + 1)
             log(f"{dtype} round {r + 1}/{args.rounds}: llmq ...")
             with worker.paused() if worker is not None else contextlib.nullcontext():
-                rate = useful / run_llmq_once(engine, prompts, f"r{r}")
+                llmq_steps.append([])
+                rate = useful / run_llmq_once(engine, prompts, f"r{r}", llmq_steps[-1])
                 log(f"{dtype} round {r + 1}/{args.rounds}: llmq {rate:.1f} useful tok/s")
                 round_done("llmq", rate, f"llmq's round {r + 1}")
             if worker is not None:
@@ -387,6 +427,10 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
                               peak_rate(rates), head_flops)
 
     out["workload_floor"] = floor_at(whole_run)
+    # llmq's rounds in the floor's three parts, each part's steps told apart at the run's fastest rates.
+    out["ridge_batch"] = ridge_batch(flops_per_token, weight_bytes, decode, bandwidth)
+    out["llmq_phases"] = [phase_seconds(steps, flops_per_token, weight_bytes, decode, bandwidth)
+                          for steps in llmq_steps]
     for system in ("llmq", "vllm"):
         shares = shares_of_round_limits(out[f"{system}_tok_s"], out[f"{system}_measured_before"], machine,
                                         lambda rates: floor_at(rates)["tokens_per_s"])
@@ -435,6 +479,15 @@ def report(dtype: str, r: dict, requests, config: dict) -> None:
           f"{step['bound']}-bound) = {step['tokens_per_s']:.0f} tok/s; the whole workload at least "
           f"{whole['seconds']:.2f} s (prefill {whole['prefill_s']:.2f} s, decode {whole['decode_s']:.2f} s) = "
           f"{whole['tokens_per_s']:.0f} useful tok/s")
+    if r["llmq_phases"]:
+        parts = (("prefill_s", "prefill (the steps until every request has its first token)"),
+                 ("decode_compute_s", f"decode steps of {r['ridge_batch']} or more sequences (compute-bound)"),
+                 ("decode_memory_s", "decode steps of fewer (memory-bound)"))
+        print("llmq's rounds by part, against the limit's (the run's fastest measurements):")
+        for key, label in parts:
+            seconds = statistics.median(phases[key] for phases in r["llmq_phases"])
+            share = f" ({whole[key] / seconds:.0%})" if seconds > 0 else ""
+            print(f"  {label}: {seconds:.2f} s (median of the rounds), at least {whole[key]:.2f} s{share}")
     for system, label in (("llmq", "llmq"), ("vllm", "vLLM")):
         if r[f"{system}_median"]:
             print(f"  {label} reaches {r[f'{system}_median'] / whole['tokens_per_s']:.0%} of the workload's limit "

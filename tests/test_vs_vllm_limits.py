@@ -1,11 +1,13 @@
-"""The arithmetic of benchmarks/vs_vllm.py (FLOPs per token, MFU, the step and workload floors), exactly.
-No vLLM here: the benchmark installs it in a venv of its own, and CI must not."""
+"""The arithmetic of benchmarks/vs_vllm.py (FLOPs per token, MFU, the step and workload floors, llmq's steps
+in the floor's parts), exactly. No vLLM here: the benchmark installs it in a venv of its own, and CI must not."""
 import pytest
 
 from benchmarks.bigger_models import MODEL_1B_CONFIG
 from benchmarks.engine_throughput import BENCH_CONFIG
-from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, peak_rate, shares_of_round_limits,
-                                step_floor, workload_floor)
+from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, peak_rate, phase_seconds, ridge_batch,
+                                run_llmq_once, shares_of_round_limits, step_floor, workload_floor)
+from llmq.engine.config import EngineConfig
+from llmq.engine.llm import LLMEngine
 
 
 def test_matmul_params_count_the_projections_and_the_lm_head():
@@ -54,6 +56,49 @@ def test_the_decode_batch_shrinks_as_requests_finish():
     floor = workload_floor([([], 3), ([], 2)], 1e9, 0.0, 1e12, 1e10, 1e12)
     assert floor["decode_s"] == pytest.approx(0.002 + 0.001)
     assert floor["tokens_per_s"] == pytest.approx(5 / 0.003)
+
+
+def test_the_decode_floor_is_split_by_what_bounds_each_step():
+    # a sequence's step is 1 ms of matmuls, reading the weights 1.5 ms: 2 sequences are compute-bound (2 ms),
+    # 1 is memory-bound (1.5 ms); steps t=1, 2 run 2 sequences, t=3 one
+    floor = workload_floor([([], 4), ([], 3)], 1e9, 1.5e7, 1e12, 1e10, 1e12)
+    assert floor["decode_compute_s"] == pytest.approx(0.004)
+    assert floor["decode_memory_s"] == pytest.approx(0.0015)
+    assert floor["decode_s"] == pytest.approx(0.0055)
+
+
+def test_the_ridge_is_the_fewest_sequences_whose_step_is_compute_bound():
+    assert ridge_batch(1e9, 1.5e7, 1e12, 1e10) == 2
+    assert ridge_batch(1e9, 2e7, 1e12, 1e10) == 2  # exactly level: compute-bound, as step_floor says
+    assert step_floor(2, 1e9, 2e7, 1e12, 1e10)["bound"] == "compute"
+    assert ridge_batch(2e9, 1e6, 1e12, 1e10) == 1
+    # the 1.1 B model at 366 GFLOP/s and 25.2 GB/s: a decode step of 15 sequences is the first compute-bound one
+    batch = ridge_batch(2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)
+    assert step_floor(batch, 2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)["bound"] == "compute"
+    assert step_floor(batch - 1, 2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)["bound"] == "memory"
+
+
+def test_an_engines_steps_are_summed_in_the_floors_parts():
+    steps = [(0.5, 2, True), (0.25, 2, True), (0.3, 2, False), (0.2, 1, False), (0.1, 1, False)]
+    assert phase_seconds(steps, 1e9, 1.5e7, 1e12, 1e10) == {
+        "prefill_s": pytest.approx(0.75), "decode_compute_s": pytest.approx(0.3), "decode_memory_s": pytest.approx(0.3)}
+    assert phase_seconds([], 1e9, 1.5e7, 1e12, 1e10) == {"prefill_s": 0.0, "decode_compute_s": 0.0,
+                                                         "decode_memory_s": 0.0}
+
+
+def test_run_llmq_once_records_each_steps_batch_and_whether_a_request_awaits_its_first_token(stories_dir):
+    engine = LLMEngine(EngineConfig(str(stories_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=8,
+                                    enable_prefix_caching=False))
+    try:
+        steps = []
+        # 12 prompt tokens at 8 a step: the first step gives the first request its first token, the second
+        # (with the first request's next) gives the second its own; the third finishes the second request
+        seconds = run_llmq_once(engine, [([1, 5, 9, 13, 17, 21], 4), ([2, 6, 10, 14, 18, 22], 2)], "t", steps)
+    finally:
+        engine.close()
+    assert [(batch, prefilling) for _, batch, prefilling in steps] == [(2, True), (2, True), (2, False), (1, False)]
+    assert all(step_seconds > 0 for step_seconds, _, _ in steps)
+    assert sum(step_seconds for step_seconds, _, _ in steps) <= seconds
 
 
 def test_pair_ratios_divide_adjacent_rounds():
