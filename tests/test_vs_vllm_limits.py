@@ -74,6 +74,7 @@ def test_the_ridge_is_the_fewest_sequences_whose_step_is_compute_bound():
     assert ridge_batch(2e9, 1e6, 1e12, 1e10) == 1
     # the 1.1 B model at 366 GFLOP/s and 25.2 GB/s: a decode step of 15 sequences is the first compute-bound one
     batch = ridge_batch(2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)
+    assert batch == 15  # 366 / 25.2 = 14.5 sequences' matmuls take as long as reading the weights once
     assert step_floor(batch, 2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)["bound"] == "compute"
     assert step_floor(batch - 1, 2 * 1_034_420_224, 2 * 1_034_420_224, 366e9, 25.2e9)["bound"] == "memory"
 
