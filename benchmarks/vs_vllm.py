@@ -322,9 +322,10 @@ def run_llmq_once(engine: LLMEngine, requests, tag: str, steps: list | None = No
         step_started = time.perf_counter()
         deltas = engine.step()
         if steps is not None:
+            step_seconds = time.perf_counter() - step_started
             batch = sum(1 for request, n in wanted.items() if generated.get(request, 0) < n)
             prefilling = any(generated.get(request, 0) == 0 for request in wanted)
-            steps.append((time.perf_counter() - step_started, batch, prefilling))
+            steps.append((step_seconds, batch, prefilling))
         for delta in deltas:
             generated[delta.request_id] = generated.get(delta.request_id, 0) + len(delta.token_ids)
     seconds = time.perf_counter() - started
