@@ -271,13 +271,14 @@ struct RowBlocks {
   }
 };
 
-// f(std::integral_constant<int, rows>) for a count of rows from 1 to Max: panel_rows takes its rows as a
-// constant, so that its loop holds exactly their multiply-adds.
+// f(std::integral_constant<int, rows>) for a count of rows from 1 to Max: panel_rows (and the tiled
+// products' passes) take their rows as a constant, so that a loop holds exactly their multiply-adds.
 template <int Max, typename F>
 inline void with_rows(int64_t rows, const F& f) {
   if constexpr (Max > 1) {
     if (rows < Max) return with_rows<Max - 1>(rows, f);
   }
+  TORCH_CHECK(rows == Max, "with_rows: ", rows, " rows in one pass, out of its range");
   f(std::integral_constant<int, Max>{});
 }
 

@@ -38,7 +38,7 @@
 
 #include "lane_maxima.h"
 #include "paged_prefetch.h"
-#include "panel_linear.h"  // store_first_sums: the greedy screen's exact pass stores as the panels' does
+#include "panel_linear.h"  // store_first_sums (the greedy screen's exact pass stores as the panels' does), with_rows
 #include "work_split.h"
 
 namespace llmq_tiled {
@@ -506,33 +506,6 @@ inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t*
   }
 }
 
-// dot_rows<count> for a count known at run time, 1 to kDotRows.
-template <typename... Rest>
-inline void dot_rows_for(int64_t count, Rest&&... rest) {
-  switch (count) {
-    case 1: return dot_rows<1>(rest...);
-    case 2: return dot_rows<2>(rest...);
-    case 3: return dot_rows<3>(rest...);
-    case 4: return dot_rows<4>(rest...);
-    case 5: return dot_rows<5>(rest...);
-    case 6: return dot_rows<6>(rest...);
-    case 7: return dot_rows<7>(rest...);
-    case 8: return dot_rows<8>(rest...);
-  }
-  TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
-}
-
-// block_rows<count> for a count known at run time, 1 to kGroupRows.
-template <int Count = 1, typename... Rest>
-inline void block_rows_for(int64_t count, Rest&&... rest) {
-  if constexpr (Count <= kGroupRows) {
-    if (count == Count) return block_rows<Count>(rest...);
-    return block_rows_for<Count + 1>(count, rest...);
-  } else {
-    TORCH_CHECK(false, "tiled_linear: ", count, " rows in one pass");
-  }
-}
-
 // The passes over a column pair for a group of `rows` (at most 32) in VDPBF16PS, each of at most kDotRows.
 constexpr int64_t passes_in_group(int64_t rows) { return (rows + kDotRows - 1) / kDotRows; }
 
@@ -601,17 +574,23 @@ void multiply_in_vectors(const In* A, int64_t m, const TiledWeight& w, const Emi
           if constexpr (widened) {
             const bool prefetch = prefetch_first_pass && row0 == 0;
             const float* group = A + row0 * k;
-            block_rows_for(rows, group, b0, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 0);
-            if (two_cols)
-              block_rows_for(rows, group, b1, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 1);
+            llmq_panels::with_rows<kGroupRows>(rows, [&](auto rows_constant) {
+              constexpr int kCount = decltype(rows_constant)::value;
+              block_rows<kCount>(group, b0, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 0);
+              if (two_cols)
+                block_rows<kCount>(group, b1, k_tiles, prefetch, weight_end, next_chunk, warmup, share, c, 1);
+            });
           } else {
             // The group's rows in passes of nearly equal size, none over kDotRows.
             const int64_t passes = passes_in_group(rows);
             for (int64_t p = 0; p < passes; ++p) {
               const int first = static_cast<int>(rows * p / passes);
               const bool prefetch = prefetch_first_pass && row0 == 0 && p == 0;
-              dot_rows_for(rows * (p + 1) / passes - first, A + (row0 + first) * k, k, b0, b1, two_cols, k_tiles,
-                           prefetch, next_chunk, warmup, share, B, pair, split.pairs, col_blocks, c, first);
+              llmq_panels::with_rows<kDotRows>(rows * (p + 1) / passes - first, [&](auto rows_constant) {
+                dot_rows<decltype(rows_constant)::value>(A + (row0 + first) * k, k, b0, b1, two_cols, k_tiles,
+                                                         prefetch, next_chunk, warmup, share, B, pair, split.pairs,
+                                                         col_blocks, c, first);
+              });
             }
           }
           emit(c, static_cast<int>((rows + kTileRows - 1) / kTileRows), two_cols ? 2 : 1, row0, pair);
