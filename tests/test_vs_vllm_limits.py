@@ -1,11 +1,14 @@
 """The arithmetic of benchmarks/vs_vllm.py (FLOPs per token, MFU, the step and workload floors, llmq's steps
-in the floor's parts), exactly. No vLLM here: the benchmark installs it in a venv of its own, and CI must not."""
+in the floor's parts, the sustained rate's share), exactly, and that its sustained product rate counts FLOPs as its
+single products' does. No vLLM here: the benchmark installs it in a venv of its own, and CI must not."""
 import pytest
+import torch
 
 from benchmarks.bigger_models import MODEL_1B_CONFIG
 from benchmarks.engine_throughput import BENCH_CONFIG
-from benchmarks.vs_vllm import (fastest, matmul_params, mfu, pair_ratios, peak_rate, phase_seconds, ridge_batch,
-                                run_llmq_once, shares_of_round_limits, step_floor, workload_floor)
+from benchmarks.vs_vllm import (fastest, matmul_params, matmul_rate, mfu, pair_ratios, peak_rate, phase_seconds,
+                                ridge_batch, run_llmq_once, shares_of_round_limits, step_floor,
+                                sustained_matmul_rate, sustained_share, workload_floor)
 from llmq.engine.config import EngineConfig
 from llmq.engine.llm import LLMEngine
 
@@ -127,3 +130,18 @@ def test_each_round_is_held_to_the_machine_measured_either_side_of_it():
 def test_the_peak_is_the_faster_of_the_square_and_the_decode_shaped_product():
     assert peak_rate({"square": 1800.0, "decode": 700.0, "bandwidth": 20.0}) == 1800.0
     assert peak_rate({"square": 650.0, "decode": 1900.0, "bandwidth": 17.5}) == 1900.0
+
+
+def test_the_sustained_share_is_the_median_of_each_measurements_sustained_over_its_fastest():
+    machine = [{"decode": 400.0, "decode_sustained": 300.0}, {"decode": 350.0, "decode_sustained": 315.0},
+               {"decode": 500.0, "decode_sustained": 400.0}]
+    assert sustained_share(machine) == pytest.approx(0.8)  # of 0.75, 0.9 and 0.8
+
+
+def test_a_sustained_product_counts_the_same_flops_as_a_single_one():
+    # the same product at the same machine's rate: a count off by a factor (2 flops a multiply-add, or the
+    # products run) would put the two far apart, where the machine's noise keeps them within a few times
+    rows, inner, cols = 4, 256, 512
+    single = matmul_rate(rows, inner, cols, torch.float32)
+    sustained = sustained_matmul_rate(rows, inner, cols, torch.float32, seconds=0.2)
+    assert single / 4 < sustained < single * 1.5
