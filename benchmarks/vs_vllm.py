@@ -187,10 +187,12 @@ def _products(rows: int, inner: int, cols: int, dtype: torch.dtype) -> list:
     return [lambda w=w: linear(a, w, None) for w in packed.values()]
 
 
-def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: int = 10) -> float:
-    """FLOP/s of the fastest single product of the fastest of `_products`' layouts."""
+def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: int = 10,
+                products: list | None = None) -> float:
+    """FLOP/s of the fastest single product of the fastest of `_products`' layouts (`products`: that list,
+    where the caller measures the same ones another way too)."""
     best = float("inf")
-    for product in _products(rows, inner, cols, dtype):
+    for product in products or _products(rows, inner, cols, dtype):
         product()
         for _ in range(repeats):
             started = time.perf_counter()
@@ -199,12 +201,13 @@ def matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, repeats: i
     return 2 * rows * inner * cols / best
 
 
-def sustained_matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
+def sustained_matmul_rate(rows: int, inner: int, cols: int, dtype: torch.dtype, seconds: float = 1.0,
+                          products: list | None = None) -> float:
     """FLOP/s of the same products run back to back for `seconds` each, the fastest layout's: the rate
     this machine holds for one product over and over, its weight in cache, where matmul_rate's is its
     best moment. Printed beside the limit, which keeps the best moment's."""
     best = 0.0
-    for product in _products(rows, inner, cols, dtype):
+    for product in products or _products(rows, inner, cols, dtype):
         product()
         count, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
@@ -371,9 +374,11 @@ def bench_dtype(dtype: str, folder: Path, config: dict, requests, python: Path |
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     def measure_machine(when: str) -> dict:
         log(f"{dtype}: measuring the machine {when} (matmul peak, decode-shaped matmul, copy bandwidth)")
+        decode_shape = (len(requests), hidden, inter, torch_dtype)
+        decode_products = _products(*decode_shape)  # both decode rates over the same packed weights
         return {"square": matmul_rate(2048, 2048, 2048, torch_dtype, repeats=3),
-                "decode": matmul_rate(len(requests), hidden, inter, torch_dtype),
-                "decode_sustained": sustained_matmul_rate(len(requests), hidden, inter, torch_dtype),
+                "decode": matmul_rate(*decode_shape, products=decode_products),
+                "decode_sustained": sustained_matmul_rate(*decode_shape, products=decode_products),
                 "bandwidth": copy_bandwidth()}
 
     machine = [measure_machine("before the rounds")]
