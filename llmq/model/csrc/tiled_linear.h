@@ -367,15 +367,17 @@ inline void block_rows(const float* group, const uint16_t* b, int64_t k_tiles, b
 #pragma GCC unroll 32
   for (int i = 0; i < Rows; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    if (prefetch) {
-      const char* ahead = reinterpret_cast<const char*>(b + (kt + kPrefetchTiles) * kTileElements);
-      if (ahead < weight_end) prefetch_tile(ahead);
-    }
+    const char* ahead = reinterpret_cast<const char*>(b + (kt + kPrefetchTiles) * kTileElements);
+    const bool fetch = prefetch && ahead < weight_end;
     next_chunk.step();
     if (warmup != nullptr) warmup->step(share);
     const uint16_t* t = b + kt * kTileElements;
     const float* x = group + kt * kTileRows * Rows * 2;
     for (int r = 0; r < kTileRows; ++r, x += Rows * 2) {
+      // The tile ahead asked for a line with each tile row, not its 16 lines at once: asked at once, they
+      // reach the core's queue to memory together, and it then idles through the rest of the tile's
+      // arithmetic; one a row keeps it fed evenly (README: CPU kernels, "A line ahead with each tile row").
+      if (fetch) __builtin_prefetch(ahead + r * 64, 0, 2);
       const WidenedPairs w = widened_pairs(_mm512_loadu_si512(t + r * kTileInputs));
 #pragma GCC unroll 32
       for (int i = 0; i < Rows; ++i) acc[i] = widened_step(acc[i], x[2 * i], x[2 * i + 1], w);
