@@ -7,8 +7,9 @@ model's (32 heads over 4) with 32 of 200, in bfloat16 and float32: microseconds 
 each sequence's blocks scattered over a large cache (as in a running engine) and with every block the
 same one (the cache's reads all from the CPU's caches: the arithmetic's share). The cache lies in huge
 pages, as the engine's does (llmq/model/huge_pages.py): in 4 KiB pages each scattered block costs a TLB
-miss. Prints which code ran ("amx", "avx512-bf16" or "vector"; where it is "amx", the AVX512-BF16 kernel
-as well, the matrix units disallowed) and the KV bytes read per second. 2 threads.
+miss. Prints which code ran ("amx", "avx512-bf16", "avx512-widened" or "vector"; where it is "amx", the
+AVX512-BF16 kernel as well, the matrix units disallowed; where it is either AVX512-BF16 path, the other one
+too: csrc/bf16_widening.h) and the KV bytes read per second. 2 threads.
 """
 from __future__ import annotations
 
@@ -61,14 +62,21 @@ def main() -> None:
     for name, shape in SHAPES.items():
         for dtype in (torch.bfloat16, torch.float32):
             path = kernels.decode_attention_path(dtype, shape["head_dim"], shape["heads"] // shape["kv_heads"])
-            # Where the matrix units take it, the AVX512-BF16 kernel too (the matrix units disallowed).
-            for allowed in (True, False) if path == "amx" else (True,):
+            # Where the matrix units take it, the AVX512-BF16 kernel too (the matrix units disallowed); where
+            # that kernel takes it, both of its paths: in the dot products, and widened to float32.
+            runs = {"amx": [(True, None), (False, None)], "avx512-bf16": [(True, False), (True, True)],
+                    "avx512-widened": [(True, True), (True, False)]}.get(path, [(True, None)])
+            for allowed, widened in runs:
                 kernels._ops.allow_matrix_units(allowed)
+                was_widened = kernels._ops.widen_tiles(widened) if widened is not None else None
+                code = kernels.decode_attention_path(dtype, shape["head_dim"], shape["heads"] // shape["kv_heads"])
                 scattered = time_call(kernels, dtype, **shape, scattered=True)
                 cached = time_call(kernels, dtype, **shape, scattered=False)
                 kernels._ops.allow_matrix_units(True)
+                if was_widened is not None:
+                    kernels._ops.widen_tiles(was_widened)
                 kv_bytes = 2 * shape["seqs"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * dtype.itemsize
-                code = path if allowed else "avx512-bf16 (matrix units off)"
+                code = code if allowed else f"{code} (matrix units off)"
                 print(f"| {name} | {str(dtype).removeprefix('torch.')} | {code} | {scattered * 1e6:.0f} | "
                       f"{cached * 1e6:.0f} | {kv_bytes / scattered / 1e9:.1f} |", flush=True)
 

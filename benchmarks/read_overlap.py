@@ -14,10 +14,10 @@ llmq's tiled products run where the CPU's bfloat16 dot products are slow). The s
 arithmetic (the read alone) and over a buffer that fits in L1, read over and over for as many bytes (the
 arithmetic alone). For each row count it prints the three times, the loop's share of the floor (the
 longer alone over both together: 100 % is a full overlap) and how much of the shorter one was hidden.
-No llmq kernel is in the loop: what it cannot reach, a kernel doing more per byte cannot either.
+No llmq kernel is in the loop: it shows what this machine allows, apart from any kernel's own costs.
 
-Each time is the best of --repeats runs. Time on a 2-core machine: about 20 seconds after the build
-(about 20 seconds, once). Tables to stdout, a JSON summary as the last line.
+Each time is the best of --repeats runs. Time on a 2-core machine: about 15 seconds after the build
+(about 25 seconds, once). Tables to stdout, a JSON summary as the last line.
 """
 from __future__ import annotations
 

@@ -242,7 +242,9 @@ class NativeKernels(TorchKernels):
     def decode_attention_path(self, dtype: torch.dtype, head_dim: int, query_heads_per_kv_head: int = 1) -> str:
         """Which code `paged_decode_attention` runs: "amx" (bfloat16 on the matrix units, where 8 to 16 query
         heads share a KV head, csrc/decode_attention_amx.h), "avx512-bf16" (bfloat16 on a CPU with
-        AVX512-BF16, csrc/decode_attention_bf16.h) or "vector" (float32 arithmetic on ATen's vector types)."""
+        AVX512-BF16, csrc/decode_attention_bf16.h), "avx512-widened" (the same, widened to float32 where the
+        CPU's bfloat16 dot products are the slower: csrc/bf16_widening.h) or "vector" (float32 arithmetic on
+        ATen's vector types)."""
         return self._ops.decode_attention_path(str(dtype).removeprefix("torch."), head_dim, query_heads_per_kv_head)
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

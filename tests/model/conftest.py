@@ -34,3 +34,16 @@ def one_thread_takes_every_run():
         yield
     finally:
         ops.take_runs_in_one_thread(before)
+
+
+@contextlib.contextmanager
+def bf16_widened(widened: bool):
+    """bfloat16 in the CPU's dot products (VDPBF16PS), or widened to float32 for its multiply-adds, while
+    inside (csrc/bf16_widening.h: the tiled products' dot-product path and bfloat16 decode attention both
+    follow it), whichever this CPU would choose: the tests check both paths on any CPU with AVX512-BF16."""
+    ops = native_kernels()._ops
+    before = ops.widen_tiles(widened)
+    try:
+        yield
+    finally:
+        ops.widen_tiles(before)

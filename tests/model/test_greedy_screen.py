@@ -14,7 +14,7 @@ from llmq.model.cpu_prepack import panel_weight, tile_weight
 from llmq.model.greedy_screen import (BLOCK_COLUMNS, MOST_BLOCKS_SHARE, MOST_WHOLE_ROWS_SHARE, TRIAL_ROWS,
                                       GreedyScreen, add_greedy_screen, screen_weight, screens)
 from llmq.sampling_params import SamplingParams
-from tests.model.conftest import one_thread_takes_every_run
+from tests.model.conftest import bf16_widened, one_thread_takes_every_run
 
 _kernels = native_kernels()
 needs_screen = pytest.mark.skipif(_kernels is None or not _kernels.screens_greedy_head,
@@ -29,22 +29,12 @@ HEADS = {
 }
 
 
-@contextlib.contextmanager
-def tiles_widened(widened: bool):
-    """The tiles' dot products in VDPBF16PS, or widened to float32 (tiled_linear.h's widens_tiles)."""
-    before = _kernels._ops.widen_tiles(widened)
-    try:
-        yield
-    finally:
-        _kernels._ops.widen_tiles(before)
-
-
 @pytest.fixture(params=list(HEADS))
 def head_kind(request):
     dtype, layout, whole, available = HEADS[request.param]
     if _kernels is None or not _kernels.screens_greedy_head or not available:
         pytest.skip(f"no screened {request.param} head on this CPU")
-    with tiles_widened(request.param == "widened tiles") if dtype == torch.bfloat16 else contextlib.nullcontext():
+    with bf16_widened(request.param == "widened tiles") if dtype == torch.bfloat16 else contextlib.nullcontext():
         yield dtype, layout, whole
 
 
@@ -135,7 +125,7 @@ def test_logits_that_round_to_one_bfloat16_value_give_the_first_column(widened):
     x = lead.expand(4, 64)
     logits = x.to(dtype).float() @ weight.to(dtype).float().T
     assert logits[0, 300] < logits[0, 700]  # in float32, column 700 leads
-    with tiles_widened(widened):
+    with bf16_widened(widened):
         expected, found, _ = _whole_and_screened(dtype, layout, whole, weight, x)
     if not (expected == 300).all():
         pytest.skip("these two did not round to one bfloat16 value here")

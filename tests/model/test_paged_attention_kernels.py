@@ -9,6 +9,7 @@ past Triton's 64-token tile), with grouped KV heads, for head sizes the C++ kern
 registers and one it does not, and the same greedy tokens in an engine."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -20,7 +21,7 @@ from llmq.engine.step_input import DecodeGroupInput, PrefillSpanInput, StepInput
 from llmq.model.attention import choose_attention_backend, longest_kernel_prompt, paged_attention
 from llmq.model.cpu_kernels import TORCH_KERNELS, native_kernels, native_kernels_failure
 from llmq.sampling_params import SamplingParams
-from tests.model.conftest import one_thread_takes_every_run
+from tests.model.conftest import bf16_widened, one_thread_takes_every_run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_KV_HEADS, NUM_HEADS, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 4, 128
@@ -119,6 +120,11 @@ def test_kernel_attends_as_the_torch_path_does(kernel, head_dim, step_name, dtyp
         with one_thread_takes_every_run():
             alone = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
         assert torch.equal(alone, outs[kernel])
+    if kernel == "cpu" and dtype == torch.bfloat16:  # both of bfloat16's paths (csrc/bf16_widening.h)
+        for widened in (False, True):
+            with bf16_widened(widened):
+                path = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5).float()
+            torch.testing.assert_close(path, outs[None], **tolerance)
 
 
 @on_a_cpu
@@ -234,17 +240,20 @@ def test_the_cpu_kernel_attends_every_query_head_of_a_kv_head(group, head_dim, d
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     k_cache, v_cache, q, _, _ = _operands(len(lengths), head_dim, dtype, generator, num_heads=NUM_KV_HEADS * group,
                                           block_size=block_size)
-    out = torch.empty(len(lengths), NUM_KV_HEADS * group * head_dim, dtype=dtype)
     scale = head_dim ** -0.5
-    kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(lengths, dtype=torch.int32),
-                                   block_size, scale, out)
-    for n, (length, table) in enumerate(zip(lengths, tables)):
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
-        keys, values = (cache[:, slots].float().repeat_interleave(group, dim=0) for cache in (k_cache, v_cache))
-        weights = torch.softmax(q[n].float().unsqueeze(1) @ keys.transpose(1, 2) * scale, dim=-1)
-        expected = (weights @ values).reshape(-1)
-        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(out[n].float(), expected, **tolerance)
+    # bfloat16 both ways: in the CPU's dot products, and widened to float32 (csrc/bf16_widening.h).
+    for path in ([None] if dtype == torch.float32 else [False, True]):
+        out = torch.empty(len(lengths), NUM_KV_HEADS * group * head_dim, dtype=dtype)
+        with bf16_widened(path) if path is not None else contextlib.nullcontext():
+            kernels.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                           torch.tensor(lengths, dtype=torch.int32), block_size, scale, out)
+        for n, (length, table) in enumerate(zip(lengths, tables)):
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+            keys, values = (cache[:, slots].float().repeat_interleave(group, dim=0) for cache in (k_cache, v_cache))
+            weights = torch.softmax(q[n].float().unsqueeze(1) @ keys.transpose(1, 2) * scale, dim=-1)
+            expected = (weights @ values).reshape(-1)
+            tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(out[n].float(), expected, **tolerance)
 
 
 @pytest.fixture

@@ -718,7 +718,7 @@ std::string decode_attention_path(const std::string& dtype, int64_t head_dim, in
 #ifdef LLMQ_HAS_AMX_DECODE_ATTENTION
     if (llmq_decode_amx::runs_here(group, head_dim)) return "amx";
 #endif
-    return "avx512-bf16";
+    return llmq_widening::widens_bf16() ? "avx512-widened" : "avx512-bf16";
   }
 #endif
   (void)group;
@@ -944,23 +944,24 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 
 // What runs tiled_linear here: "amx" (the matrix units: built for a CPU with AMX, and the kernel lets this
 // process use them), "avx512-bf16" (the vector dot products), "avx512-widened" (the tiles widened to float32
-// on AVX-512's multiply-adds, where the dot products are the slower: tiled_linear.h's widens_tiles), or ""
+// on AVX-512's multiply-adds, where the dot products are the slower: bf16_widening.h), or ""
 // where this build has none of them.
 std::string tiled_products() {
 #ifdef LLMQ_HAS_TILED_LINEAR
   if (llmq_tiled::on_matrix_units()) return "amx";
-  return llmq_tiled::widens_tiles() ? "avx512-widened" : "avx512-bf16";
+  return llmq_widening::widens_bf16() ? "avx512-widened" : "avx512-bf16";
 #else
   return "";
 #endif
 }
 
-// Makes the dot products' path of tiled_linear widen the tiles to float32 (true) or take VDPBF16PS (false),
-// whichever this CPU runs faster (the tests check both paths); returns whether it widened before.
+// Makes the dot products' path of tiled_linear, and bfloat16 decode attention, widen bfloat16 to float32
+// (true) or take VDPBF16PS (false), whichever this CPU runs faster (the tests check both paths); returns
+// whether they widened before.
 bool widen_tiles(bool widened) {
 #ifdef LLMQ_HAS_TILED_LINEAR
-  const bool before = llmq_tiled::widens_tiles();
-  llmq_tiled::widening_choice().store(widened ? 1 : 0);
+  const bool before = llmq_widening::widens_bf16();
+  llmq_widening::widening_choice().store(widened ? 1 : 0);
   return before;
 #else
   return widened;
@@ -1421,7 +1422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("tiled_products", &tiled_products, "what runs tiled_linear on this CPU: amx, avx512-bf16, avx512-widened, or none");
   m.def("allow_matrix_units", &allow_matrix_units, "whether tiled_linear may take the matrix units (tests)");
-  m.def("widen_tiles", &widen_tiles, "whether tiled_linear's dot products widen the tiles to float32 (tests)");
+  m.def("widen_tiles", &widen_tiles, "whether tiled_linear's dot products and bfloat16 decode attention widen to float32 (tests)");
   m.def("stealing_runs_order", &stealing_runs_order, "the chunks StealingRuns hands to a sequence of calls (tests)",
         py::arg("chunks"), py::arg("parts"), py::arg("callers"));
   m.def("kv_warmup_lines", &kv_warmup_lines, "the lines a KvWarmup asks for, share by share (tests)",

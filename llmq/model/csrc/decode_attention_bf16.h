@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_widening.h"
 #include "paged_prefetch.h"
 #include "work_split.h"
 
@@ -162,6 +163,133 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
   }
 }
 
+// attend_widened's weighted sum of values for kHeads heads (weights: their float32 probabilities, `padded`
+// apart) into out (kHeads heads of head_dim), each token's values widened once for all of them: every loop
+// over the heads unrolled, so that the sums stay registers. A chunk's even and odd dims go back into the
+// dims' order at the end: per 128-bit lane, unpacklo and unpackhi give dims 8l .. 8l + 3 and 8l + 4 ..
+// 8l + 7, which the two permutes put in order.
+template <int kVecs, int kHeads>
+inline void weigh_values(const uint16_t* v_head, const int64_t* rows, int64_t length, const float* weights,
+                         int64_t padded, uint16_t* out) {
+  constexpr int kHalves = 2 * kVecs;
+  constexpr int64_t row_bytes = kVecs * 64;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[kHeads][kHalves];
+#pragma GCC unroll 16
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < kHalves; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    if (t + 2 * kKeys < length) prefetch_row(v_head + rows[t + 2 * kKeys], row_bytes);
+    const uint16_t* v = v_head + rows[t];
+    __m512 values[kHalves];
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(v + 32 * c);
+      values[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      values[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 p = _mm512_set1_ps(weights[h * padded + t]);
+#pragma GCC unroll 16
+      for (int c = 0; c < kHalves; ++c) acc[h][c] = _mm512_fmadd_ps(values[c], p, acc[h][c]);
+    }
+  }
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 16
+  for (int h = 0; h < kHeads; ++h) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512 lo = _mm512_unpacklo_ps(acc[h][2 * c], acc[h][2 * c + 1]);
+      const __m512 hi = _mm512_unpackhi_ps(acc[h][2 * c], acc[h][2 * c + 1]);
+      _mm512_storeu_si512(out + h * kVecs * 32 + 32 * c,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, second_half, hi),
+                                                                        _mm512_permutex2var_ps(lo, first_half, hi))));
+    }
+  }
+}
+
+// weigh_values for `heads` heads (1 .. kMost), each count with its own unrolled loops.
+template <int kVecs, int kMost>
+inline void weigh_values_of(int64_t heads, const uint16_t* v_head, const int64_t* rows, int64_t length,
+                         const float* weights, int64_t padded, uint16_t* out) {
+  if constexpr (kMost > 1) {
+    if (heads < kMost) return weigh_values_of<kVecs, kMost - 1>(heads, v_head, rows, length, weights, padded, out);
+  }
+  weigh_values<kVecs, kMost>(v_head, rows, length, weights, padded, out);
+}
+
+// `attend` on AVX-512's float32 multiply-adds, for a CPU whose VDPBF16PS does less arithmetic than they do
+// (bf16_widening.h, as the tiled products decide): a round's keys and each token's values are widened to
+// float32 once (a shift and a mask: a pair's even and odd dims) and multiplied into every query head of the
+// group, so the widening is shared by the group's heads. The probabilities are attend's (rounded to
+// bfloat16); the sums are float32 in another order, so the results are attend's to float32's rounding.
+// scratch: kKeys + group widened rows of head_dim floats, 64-byte aligned.
+template <int kVecs>
+void attend_widened(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
+                    const int64_t* rows, int64_t length, int64_t group, float scale, float* scores,
+                    uint16_t* probs, int64_t padded, uint16_t* out, float* scratch) {
+  constexpr int64_t head_dim = kVecs * 32;
+  constexpr int64_t row_bytes = head_dim * 2;
+  constexpr int kHalves = 2 * kVecs;  // float32 vectors a widened row: each chunk's even dims, then its odd
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const auto widen = [&](const uint16_t* row, float* to) {
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(row + 32 * c);
+      _mm512_store_ps(to + 16 * (2 * c), _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+      _mm512_store_ps(to + 16 * (2 * c + 1), _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
+    }
+  };
+  float* const keys = scratch;                      // the round's kKeys keys, widened
+  float* const queries = scratch + kKeys * head_dim;  // the group's query heads, widened
+  for (int64_t g = 0; g < group; ++g) widen(q + g * q_head_stride, queries + g * head_dim);
+
+  for (int64_t t = 0; t < std::min<int64_t>(length, 2 * kKeys); ++t) {
+    prefetch_row(k_head + rows[t], row_bytes);
+    prefetch_row(v_head + rows[t], row_bytes);
+  }
+  for (int64_t first = 0; first < length; first += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, length - first);
+    for (int64_t ahead = first + 2 * kKeys; ahead < std::min(length, first + 3 * kKeys); ++ahead)
+      prefetch_row(k_head + rows[ahead], row_bytes);
+    for (int t = 0; t < kKeys; ++t) widen(k_head + rows[first + t], keys + t * head_dim);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = queries + g * head_dim;
+      __m512 acc[kKeys];  // every loop over the keys unrolled: the sums stay registers
+#pragma GCC unroll 16
+      for (int t = 0; t < kKeys; ++t) acc[t] = _mm512_setzero_ps();
+      for (int h = 0; h < kHalves; ++h) {  // each of the query's vectors once, against all 16 keys
+        const __m512 qh = _mm512_load_ps(qg + 16 * h);
+#pragma GCC unroll 16
+        for (int t = 0; t < kKeys; ++t) acc[t] = _mm512_fmadd_ps(_mm512_load_ps(keys + t * head_dim + 16 * h), qh, acc[t]);
+      }
+      _mm512_mask_storeu_ps(scores + g * padded + first, lanes, _mm512_mul_ps(sum_each(acc), scale_v));
+    }
+  }
+
+  // The weights as float32, in place of the scores: the bfloat16 probabilities widened back, exactly.
+  for (int64_t g = 0; g < group; ++g) {
+    probabilities(scores + g * padded, length, padded, probs + g * padded);
+    for (int64_t t = 0; t < padded; t += kKeys) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(probs + g * padded + t)));
+      _mm512_storeu_ps(scores + g * padded + t, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    }
+  }
+
+  // Each token's values widened once a pass, for as many heads as 24 sums and the widened row leave room
+  // (the group's heads in passes of nearly equal size).
+  constexpr int kMostHeads = std::max(1, 24 / kHalves);
+  const int64_t passes = (group + kMostHeads - 1) / kMostHeads;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t g0 = group * p / passes, heads = group * (p + 1) / passes - g0;
+    weigh_values_of<kVecs, kMostHeads>(heads, v_head, rows, length, scores + g0 * padded, padded, out + g0 * head_dim);
+  }
+}
+
 // Whether `attend` takes heads of this size.
 inline bool supports(int64_t head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
@@ -176,7 +304,12 @@ inline int64_t padded_length(int64_t length) { return (length + kKeys - 1) / kKe
 class VectorAttend {
  public:
   explicit VectorAttend(int64_t head_dim)
-      : attend_(head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>) {}
+      : head_dim_(head_dim), widened_(llmq_widening::widens_bf16()),
+        attend_(head_dim == 32 ? attend<1> : head_dim == 64 ? attend<2> : head_dim == 128 ? attend<4> : attend<8>),
+        attend_widened_(head_dim == 32   ? attend_widened<1>
+                        : head_dim == 64 ? attend_widened<2>
+                        : head_dim == 128 ? attend_widened<4>
+                                          : attend_widened<8>) {}
   void operator()(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, const uint16_t* v_head,
                   const int64_t* rows, int64_t length, int64_t group, float scale, uint16_t* out,
                   llmq_prefetch::ContextFetch& ahead) {
@@ -184,12 +317,25 @@ class VectorAttend {
     const int64_t padded = padded_length(length);
     scores_.resize(group * padded);
     probs_.resize(group * padded);
-    attend_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores_.data(), probs_.data(), padded,
-            out);
+    if (widened_) {
+      // 64-byte aligned: the widened rows are stored and loaded whole vectors at a time.
+      scratch_.resize((kKeys + group) * head_dim_ + 16);
+      const uintptr_t misaligned = reinterpret_cast<uintptr_t>(scratch_.data()) % 64;
+      float* aligned = scratch_.data() + (misaligned == 0 ? 0 : (64 - misaligned) / sizeof(float));
+      attend_widened_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores_.data(), probs_.data(),
+                      padded, out, aligned);
+    } else {
+      attend_(q, q_head_stride, k_head, v_head, rows, length, group, scale, scores_.data(), probs_.data(), padded,
+              out);
+    }
   }
 
  private:
+  int64_t head_dim_;
+  bool widened_;
   decltype(&attend<1>) attend_;
+  decltype(&attend_widened<1>) attend_widened_;
+  std::vector<float> scratch_;
   std::vector<float> scores_;
   std::vector<uint16_t> probs_;
 };

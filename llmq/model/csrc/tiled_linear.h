@@ -2,7 +2,7 @@
 // tile_weight), included by cpu_kernels.cpp: on the CPU's matrix units where it has AMX, else in
 // AVX512-BF16's dot products (VDPBF16PS), which read the same layout, or, on a CPU whose VDPBF16PS is slow
 // beside its float32 multiply-adds, in those multiply-adds over the same tiles widened as they are read
-// (`widens_tiles`, below).
+// (bf16_widening.h).
 //
 // Why a kernel of our own: a decode step's products have few rows, so what they cost is reading the weight
 // from memory, and oneDNN's product (with its weight prepacked) reads it well below the memory's speed at
@@ -38,6 +38,7 @@
 
 #include "lane_maxima.h"
 #include "paged_prefetch.h"
+#include "bf16_widening.h"
 #include "panel_linear.h"  // store_first_sums (the greedy screen's exact pass stores as the panels' does), with_rows
 #include "work_split.h"
 
@@ -109,72 +110,6 @@ inline bool on_matrix_units() {
 #endif
 }
 
-// The best of three times of 4,096 steps of twelve independent chains, c = step(c, x), each from a value of
-// its own (chains that start equal and take the same steps are one chain to the compiler); x is hidden from
-// the compiler at every step, so nothing is folded.
-template <typename Operand, typename Step>
-double chains_seconds(Operand x, const Step& step) {
-  constexpr int64_t kSteps = 4096;
-  volatile float sink = 0;
-  double best = 1e30;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    __m512 c0 = _mm512_set1_ps(0.0f), c1 = _mm512_set1_ps(1.0f), c2 = _mm512_set1_ps(2.0f),
-           c3 = _mm512_set1_ps(3.0f), c4 = _mm512_set1_ps(4.0f), c5 = _mm512_set1_ps(5.0f),
-           c6 = _mm512_set1_ps(6.0f), c7 = _mm512_set1_ps(7.0f), c8 = _mm512_set1_ps(8.0f),
-           c9 = _mm512_set1_ps(9.0f), c10 = _mm512_set1_ps(10.0f), c11 = _mm512_set1_ps(11.0f);
-    const auto started = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < kSteps; ++i) {
-      asm volatile("" : "+v"(x));
-#define LLMQ_PROBE_STEP(R) c##R = step(c##R, x);
-      LLMQ_PROBE_STEP(0) LLMQ_PROBE_STEP(1) LLMQ_PROBE_STEP(2) LLMQ_PROBE_STEP(3) LLMQ_PROBE_STEP(4)
-      LLMQ_PROBE_STEP(5) LLMQ_PROBE_STEP(6) LLMQ_PROBE_STEP(7) LLMQ_PROBE_STEP(8) LLMQ_PROBE_STEP(9)
-      LLMQ_PROBE_STEP(10) LLMQ_PROBE_STEP(11)
-#undef LLMQ_PROBE_STEP
-    }
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-    sink = _mm512_reduce_add_ps(c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11);
-  }
-  return best;
-}
-
-// Whether a VDPBF16PS (32 multiply-adds) runs at less than `ratio` of the rate of AVX-512's float32
-// multiply-adds (16 each) on this core, timed over independent chains of each. On some CPUs (an AMD Zen 4)
-// the two run at one rate, so the dot products do twice the arithmetic; on others (an Intel Xeon whose
-// matrix units the kernel does not hand out) VDPBF16PS issues at a quarter of their rate, and the same
-// tiles widened to float32 go twice as fast through the multiply-adds (README: CPU kernels, "bfloat16 tiles
-// widened to float32").
-inline bool dot_products_slower_than_widened(double ratio) {
-  const double dots = chains_seconds((__m512bh)_mm512_set1_epi32(0x3F803F80),
-                                     [](__m512 c, __m512bh x) { return _mm512_dpbf16_ps(c, x, x); });
-  const double fmas = chains_seconds(_mm512_set1_ps(1.0f), [](__m512 c, __m512 x) { return _mm512_fmadd_ps(x, x, c); });
-  // Multiply-adds a second: 32 a dot product, 16 a float32 one.
-  return 32.0 / dots < ratio * 16.0 / fmas;
-}
-
-// The widened path does two float32 multiply-adds for each VDPBF16PS it replaces, and a shift and a mask
-// for each weight vector, shared by a pass's rows (at eight rows a ninth more work on the same ports): it
-// pays where the dot products' multiply-adds a second fall below about 0.9 of the float32 ones'. The
-// margin below that is for the timing's noise.
-constexpr double kWideningPaysBelow = 0.7;
-
-// Whether the products widen the tiles to float32 (1), use VDPBF16PS (0), or have not decided yet (-1: the
-// first call times both here). The tests set it to check both paths on one CPU.
-inline std::atomic<int>& widening_choice() {
-  static std::atomic<int> choice{-1};
-  return choice;
-}
-
-// Whether the dot products' path (not the matrix units') multiplies the tiles widened to float32 on
-// AVX-512's multiply-adds, rather than in VDPBF16PS.
-inline bool widens_tiles() {
-  int choice = widening_choice().load(std::memory_order_relaxed);
-  if (choice < 0) {
-    choice = dot_products_slower_than_widened(kWideningPaysBelow) ? 1 : 0;
-    int unset = -1;
-    if (!widening_choice().compare_exchange_strong(unset, choice)) choice = unset;
-  }
-  return choice == 1;
-}
 
 // Asks for the 16 lines of one weight tile (1 KiB) into L2 (Locality 2: prefetcht1) or L1 (3: prefetcht0).
 template <int Locality = 2>
@@ -464,7 +399,7 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
 
 // One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
 // made as the products make them, step for step (in VDPBF16PS as dot_rows, or widened as block_rows, where
-// widens_tiles), so they are the same sums (greedy_screen.h multiplies a row's candidate blocks again with
+// llmq_widening::widens_bf16), so they are the same sums (greedy_screen.h multiplies a row's candidate blocks again with
 // it). The blocks' chains run side by side.
 template <bool Widened>
 inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
@@ -501,7 +436,7 @@ inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16
 
 inline void row_times_blocks(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
                              int count, float (*out)[16]) {
-  if (widens_tiles()) {
+  if (llmq_widening::widens_bf16()) {
     row_times_blocks_as<true>(a, k_tiles, tiles, blocks, count, out);
   } else {
     row_times_blocks_as<false>(a, k_tiles, tiles, blocks, count, out);
@@ -529,7 +464,7 @@ inline int64_t steps_of_pair(int64_t rows, bool widened, int64_t k_tiles) {
 // threads' together.
 inline int64_t dot_steps(const at::Tensor& tiles, int64_t rows) {
   const int64_t k_tiles = tiles.size(-3), col_blocks = tiles.numel() / (k_tiles * kTileElements);
-  return (col_blocks + 1) / 2 * steps_of_pair(rows, widens_tiles(), k_tiles);
+  return (col_blocks + 1) / 2 * steps_of_pair(rows, llmq_widening::widens_bf16(), k_tiles);
 }
 
 // `multiply` in AVX512-BF16's dot products (In = uint16_t: A holds the bfloat16 rows) or in the widened
@@ -618,7 +553,7 @@ void multiply(const at::Tensor& a, const TiledWeight& w, const Emit& emit) {
 #endif
   const int64_t m = a.size(0), k = w.k_tiles * kTileInputs;
   const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const bool widened = widens_tiles();
+  const bool widened = llmq_widening::widens_bf16();
   for (int64_t first = 0; first < m; first += kDotRowBlock) {
     const int64_t rows = std::min(kDotRowBlock, m - first);
     const auto block_emit = [&](const ResultTiles& c, int row_tiles, int col_tiles, int64_t row0, int64_t pair) {
