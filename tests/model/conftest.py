@@ -24,26 +24,24 @@ def scattered_block_tables(contexts: list[int], block_size: int, generator: torc
 
 
 @contextlib.contextmanager
+def _switched(switch, value):
+    """A kernels' switch (an op that sets it and returns what it was) at `value` while inside."""
+    before = switch(value)
+    try:
+        yield
+    finally:
+        switch(before)
+
+
 def one_thread_takes_every_run():
     """The fused kernels' work split between threads (work_split.h's runs: the products' column chunks,
     decode attention's pieces) all taken by the calling thread while inside: its own run, then the others'
     from their backs, the order in which a thread done early meets another's work."""
-    ops = native_kernels()._ops
-    before = ops.take_runs_in_one_thread(True)
-    try:
-        yield
-    finally:
-        ops.take_runs_in_one_thread(before)
+    return _switched(native_kernels()._ops.take_runs_in_one_thread, True)
 
 
-@contextlib.contextmanager
 def bf16_widened(widened: bool):
     """bfloat16 in the CPU's dot products (VDPBF16PS), or widened to float32 for its multiply-adds, while
     inside (csrc/bf16_widening.h: the tiled products' dot-product path and bfloat16 decode attention both
     follow it), whichever this CPU would choose: the tests check both paths on any CPU with AVX512-BF16."""
-    ops = native_kernels()._ops
-    before = ops.widen_tiles(widened)
-    try:
-        yield
-    finally:
-        ops.widen_tiles(before)
+    return _switched(native_kernels()._ops.widen_tiles, widened)
