@@ -80,5 +80,15 @@ inline bool widens_bf16() {
   return choice == 1;
 }
 
+// 16 bfloat16 pairs widened to float32: the even elements (the pairs' low halves: a tile row's even inputs'
+// weights, a key's or value's even dims) and the odd ones. Exact: a bfloat16 is a float32's high half.
+struct WidenedPairs {
+  __m512 even, odd;
+};
+inline WidenedPairs widened_pairs(__m512i pairs) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+
 }  // namespace llmq_widening
 #endif

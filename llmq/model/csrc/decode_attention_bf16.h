@@ -56,6 +56,17 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+// A 32-dim chunk's float32 sums, as two vectors whose lane j holds dim 8 * (j / 4) + j % 4 (`low`) and 4
+// dims past that (`high`), as unpacklo and unpackhi leave them, rounded to bfloat16 and stored in the dims'
+// order at dst.
+inline void store_in_dims_order(__m512 low, __m512 high, uint16_t* dst) {
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 lower = _mm512_permutex2var_ps(low, first_half, high);
+  const __m512 upper = _mm512_permutex2var_ps(low, second_half, high);
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(upper, lower)));
+}
+
 // One head's scores s[0 .. length) -> its softmax, normalised, then rounded to bfloat16, at p[0 .. padded),
 // padded being length rounded up to 16: s past length is set to -inf here, so that the padding's
 // probabilities are zeros (and the last token has a partner to pair with). Also the matrix units' prompt
@@ -124,9 +135,6 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
   // 32-dim chunk in a fixed way, undone once at the end. As many heads at a time as 16 registers hold.
   constexpr int64_t kHeadsPerPass = std::max<int64_t>(1, 8 / kVecs);
   const __m512i zero = _mm512_setzero_si512();
-  // unpacklo/hi's lane j holds dim 8 * (j / 4) + j % 4 (+ 4 for hi): these pick dims 0-15 and 16-31 in order.
-  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
     const int64_t heads = std::min(kHeadsPerPass, group - g0);
     __m512 acc[kHeadsPerPass][2 * kVecs];
@@ -154,11 +162,8 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
     }
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* dst = out + (g0 + h) * head_dim;
-      for (int c = 0; c < kVecs; ++c) {
-        const __m512 lower = _mm512_permutex2var_ps(acc[h][2 * c], first_half, acc[h][2 * c + 1]);
-        const __m512 upper = _mm512_permutex2var_ps(acc[h][2 * c], second_half, acc[h][2 * c + 1]);
-        _mm512_storeu_si512(dst + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(upper, lower)));
-      }
+      // acc[h][2c]'s lane j sums dim 8 * (j / 4) + j % 4 of chunk c (unpacklo_epi16's), acc[h][2c + 1] 4 past it
+      for (int c = 0; c < kVecs; ++c) store_in_dims_order(acc[h][2 * c], acc[h][2 * c + 1], dst + 32 * c);
     }
   }
 }
@@ -166,14 +171,12 @@ void attend(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_head, co
 // attend_widened's weighted sum of values for kHeads heads (weights: their float32 probabilities, `padded`
 // apart) into out (kHeads heads of head_dim), each token's values widened once for all of them: every loop
 // over the heads unrolled, so that the sums stay registers. A chunk's even and odd dims go back into the
-// dims' order at the end: per 128-bit lane, unpacklo and unpackhi give dims 8l .. 8l + 3 and 8l + 4 ..
-// 8l + 7, which the two permutes put in order.
+// dims' order at the end: interleaved by unpacklo and unpackhi, then store_in_dims_order.
 template <int kVecs, int kHeads>
 inline void weigh_values(const uint16_t* v_head, const int64_t* rows, int64_t length, const float* weights,
                          int64_t padded, uint16_t* out) {
   constexpr int kHalves = 2 * kVecs;
   constexpr int64_t row_bytes = kVecs * 64;
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 acc[kHeads][kHalves];
 #pragma GCC unroll 16
   for (int h = 0; h < kHeads; ++h)
@@ -185,9 +188,9 @@ inline void weigh_values(const uint16_t* v_head, const int64_t* rows, int64_t le
     __m512 values[kHalves];
 #pragma GCC unroll 16
     for (int c = 0; c < kVecs; ++c) {
-      const __m512i pairs = _mm512_loadu_si512(v + 32 * c);
-      values[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      values[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      const llmq_widening::WidenedPairs dims = llmq_widening::widened_pairs(_mm512_loadu_si512(v + 32 * c));
+      values[2 * c] = dims.even;
+      values[2 * c + 1] = dims.odd;
     }
 #pragma GCC unroll 16
     for (int h = 0; h < kHeads; ++h) {
@@ -196,25 +199,19 @@ inline void weigh_values(const uint16_t* v_head, const int64_t* rows, int64_t le
       for (int c = 0; c < kHalves; ++c) acc[h][c] = _mm512_fmadd_ps(values[c], p, acc[h][c]);
     }
   }
-  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 16
   for (int h = 0; h < kHeads; ++h) {
 #pragma GCC unroll 16
-    for (int c = 0; c < kVecs; ++c) {
-      const __m512 lo = _mm512_unpacklo_ps(acc[h][2 * c], acc[h][2 * c + 1]);
-      const __m512 hi = _mm512_unpackhi_ps(acc[h][2 * c], acc[h][2 * c + 1]);
-      _mm512_storeu_si512(out + h * kVecs * 32 + 32 * c,
-                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, second_half, hi),
-                                                                        _mm512_permutex2var_ps(lo, first_half, hi))));
-    }
+    for (int c = 0; c < kVecs; ++c)
+      store_in_dims_order(_mm512_unpacklo_ps(acc[h][2 * c], acc[h][2 * c + 1]),
+                          _mm512_unpackhi_ps(acc[h][2 * c], acc[h][2 * c + 1]), out + h * kVecs * 32 + 32 * c);
   }
 }
 
 // weigh_values for `heads` heads (1 .. kMost), each count with its own unrolled loops.
 template <int kVecs, int kMost>
 inline void weigh_values_of(int64_t heads, const uint16_t* v_head, const int64_t* rows, int64_t length,
-                         const float* weights, int64_t padded, uint16_t* out) {
+                            const float* weights, int64_t padded, uint16_t* out) {
   if constexpr (kMost > 1) {
     if (heads < kMost) return weigh_values_of<kVecs, kMost - 1>(heads, v_head, rows, length, weights, padded, out);
   }
@@ -235,12 +232,11 @@ void attend_widened(const uint16_t* q, int64_t q_head_stride, const uint16_t* k_
   constexpr int64_t row_bytes = head_dim * 2;
   constexpr int kHalves = 2 * kVecs;  // float32 vectors a widened row: each chunk's even dims, then its odd
   const __m512 scale_v = _mm512_set1_ps(scale);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const auto widen = [&](const uint16_t* row, float* to) {
     for (int c = 0; c < kVecs; ++c) {
-      const __m512i pairs = _mm512_loadu_si512(row + 32 * c);
-      _mm512_store_ps(to + 16 * (2 * c), _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
-      _mm512_store_ps(to + 16 * (2 * c + 1), _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
+      const llmq_widening::WidenedPairs dims = llmq_widening::widened_pairs(_mm512_loadu_si512(row + 32 * c));
+      _mm512_store_ps(to + 16 * (2 * c), dims.even);
+      _mm512_store_ps(to + 16 * (2 * c + 1), dims.odd);
     }
   };
   float* const keys = scratch;                      // the round's kKeys keys, widened

@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <cstdint>
 #include <type_traits>
@@ -109,7 +108,6 @@ inline bool on_matrix_units() {
   return false;
 #endif
 }
-
 
 // Asks for the 16 lines of one weight tile (1 KiB) into L2 (Locality 2: prefetcht1) or L1 (3: prefetcht0).
 template <int Locality = 2>
@@ -239,17 +237,8 @@ inline void dot_rows(const uint16_t* a0, int64_t k, const uint16_t* b0, const ui
   }
 }
 
-// A tile row's 16 pairs widened to float32: the even inputs' weights (the low halves) and the odd ones'.
-struct WidenedPairs {
-  __m512 even, odd;
-};
-inline WidenedPairs widened_pairs(__m512i pairs) {
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
-}
-
 // sum + x0 * w.even + x1 * w.odd, in that order: the widened path's step for one row and one tile row.
-inline __m512 widened_step(__m512 sum, float x0, float x1, const WidenedPairs& w) {
+inline __m512 widened_step(__m512 sum, float x0, float x1, const llmq_widening::WidenedPairs& w) {
   return _mm512_fmadd_ps(_mm512_set1_ps(x1), w.odd, _mm512_fmadd_ps(_mm512_set1_ps(x0), w.even, sum));
 }
 
@@ -313,7 +302,7 @@ inline void block_rows(const float* group, const uint16_t* b, int64_t k_tiles, b
       // reach the core's queue to memory together, and it then idles through the rest of the tile's
       // arithmetic; one a row keeps it fed evenly (README: CPU kernels, "A line ahead with each tile row").
       if (fetch) __builtin_prefetch(ahead + r * 64, 0, 2);
-      const WidenedPairs w = widened_pairs(_mm512_loadu_si512(t + r * kTileInputs));
+      const llmq_widening::WidenedPairs w = llmq_widening::widened_pairs(_mm512_loadu_si512(t + r * kTileInputs));
 #pragma GCC unroll 32
       for (int i = 0; i < Rows; ++i) acc[i] = widened_step(acc[i], x[2 * i], x[2 * i + 1], w);
     }
@@ -399,8 +388,8 @@ void multiply_on_tiles(const at::Tensor& a, const TiledWeight& w, const Emit& em
 
 // One row of a (K inputs) times `count` (at most 8) column blocks, `blocks`, into out[j]: each block's 16 sums
 // made as the products make them, step for step (in VDPBF16PS as dot_rows, or widened as block_rows, where
-// llmq_widening::widens_bf16), so they are the same sums (greedy_screen.h multiplies a row's candidate blocks again with
-// it). The blocks' chains run side by side.
+// llmq_widening::widens_bf16), so they are the same sums (greedy_screen.h multiplies a row's candidate
+// blocks again with it). The blocks' chains run side by side.
 template <bool Widened>
 inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16_t* tiles, const int64_t* blocks,
                                 int count, float (*out)[16]) {
@@ -419,7 +408,7 @@ inline void row_times_blocks_as(const uint16_t* a, int64_t k_tiles, const uint16
 #pragma GCC unroll 8
         for (int j = 0; j < kMost; ++j)
           acc[j] = widened_step(acc[j], x0, x1,
-                                widened_pairs(_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs)));
+                                llmq_widening::widened_pairs(_mm512_loadu_si512(b[j] + kt * kTileElements + r * kTileInputs)));
       } else {
         int32_t both;
         std::memcpy(&both, x, 4);
