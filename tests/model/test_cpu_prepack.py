@@ -21,7 +21,7 @@ from llmq.model.loader import load_model
 from llmq.model.quantization.transform import weight_footprint
 from llmq.model.row_buckets import buckets_up_to
 from llmq.sampling_params import SamplingParams
-from tests.model.conftest import one_thread_takes_every_run
+from tests.model.conftest import bf16_widened, one_thread_takes_every_run
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.float32), reason="this torch has no oneDNN")
 
@@ -109,10 +109,9 @@ def tiled_path(request):
         pytest.skip(f"tiled products on {request.param}: not on this CPU")
     ops = native_kernels()._ops
     allowed = ops.allow_matrix_units(request.param == "amx")
-    widened = ops.widen_tiles(request.param == "avx512-widened")
-    yield request.param
+    with bf16_widened(request.param == "avx512-widened"):
+        yield request.param
     ops.allow_matrix_units(allowed)
-    ops.widen_tiles(widened)
 
 
 def test_tile_layout_is_the_one_the_matrix_units_read():
